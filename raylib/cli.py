@@ -1,0 +1,73 @@
+"""The `raylib` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="raylib", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_run = sub.add_parser("run", help="run a training job from a YAML JobSpec")
+    p_run.add_argument("config", help="path to a JobSpec YAML (see jobs/configs/)")
+    p_run.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an "
+                       "embedded local cluster)")
+    p_run.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="KEY=VALUE", help="override a spec field, e.g. strategy.zero_stage=3")
+    p_run.add_argument("--dry-run", action="store_true",
+                       help="print the resolved spec and DeepSpeed JSON, start nothing")
+    p_run.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p_data = sub.add_parser("data", help="dataset tools")
+    data_sub = p_data.add_subparsers(dest="data_command", required=True)
+    p_build = data_sub.add_parser("build", help="generate, tokenize and shard a dataset")
+    p_build.add_argument("manifest", help="dataset manifest YAML (see datasets/)")
+    p_build.add_argument("--out", required=True, help="fsspec URL to write to (dir or s3://...)")
+    p_build.add_argument("--force", action="store_true", help="rebuild even if already built")
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "run":
+            return _run(args)
+        return _data_build(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"raylib: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    from raylib.spec import JobSpec
+
+    spec = JobSpec.from_yaml(args.config, overrides=args.overrides)
+    if args.dry_run:
+        from raylib.train.strategy import resolve_ds_config
+
+        print("# resolved job spec")
+        print(spec.to_yaml())
+        print("# effective DeepSpeed config (CPU; on GPU the optimizer drops torch_adam)")
+        print(json.dumps(resolve_ds_config(spec), indent=2))
+        return 0
+    from raylib.train.trainer import run
+
+    result = run(spec, address=args.address, progress=not args.no_progress)
+    print(result.table())
+    print(f"summary: {result.run_dir / 'summary.json'}")
+    return 0
+
+
+def _data_build(args) -> int:
+    from raylib.data.build import DatasetManifest, build
+
+    index = build(DatasetManifest.load(args.manifest), args.out, force=args.force)
+    print(f"{len(index.shards)} shards, {index.num_rows} rows of {index.seq_len} tokens, "
+          f"vocabulary {index.vocab_size}: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""Strategy -> DeepSpeed config.
+
+The effective DeepSpeed config is built from the JobSpec's strategy section, optionally on top of a
+user's native DeepSpeed JSON. Rules of the merge:
+
+- the user's JSON is the base: what it sets wins over raylib's defaults;
+- values it leaves out, or sets to "auto" (the HuggingFace convention), come from the strategy;
+- a strategy field the user set explicitly that contradicts the JSON is an error, not a guess;
+- the batch triple is checked against the world size: global = micro x accumulation x workers.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from raylib.spec import JobSpec
+
+DEFAULT_MICRO_BATCH = 8
+
+# Top-level keys DeepSpeed 0.19 understands; anything else is almost certainly a typo that
+# DeepSpeed itself would silently ignore.
+DEEPSPEED_TOP_LEVEL_KEYS = frozenset(
+    """train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps
+    steps_per_print dump_state optimizer scheduler fp16 bf16 bfloat16 amp torch_autocast
+    gradient_clipping prescale_gradients gradient_predivide_factor sparse_gradients
+    zero_optimization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer
+    communication_data_type seq_parallel_communication_data_type wall_clock_breakdown
+    memory_breakdown flops_profiler monitor_config tensorboard wandb csv_monitor comet
+    activation_checkpointing aio nvme_path checkpoint data_efficiency data_types
+    curriculum_learning compression_training elasticity autotuning pipeline
+    sparse_attention eigenvalue progressive_layer_drop disable_allgather
+    load_universal_checkpoint use_node_local_storage graph_harvesting compile
+    weight_quantization hybrid_engine timers comms_logger dataloader_drop_last
+    mics_shard_size mics_hierarchical_params_gather use_data_before_expert_parallelism
+    zenflow tensor_parallel""".split()
+)
+
+_BATCH_KEYS = {
+    "micro_batch_size": "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "global_batch_size": "train_batch_size",
+}
+
+
+def resolve_ds_config(spec: JobSpec, on_gpu: bool = False) -> dict[str, Any]:
+    """The effective DeepSpeed config of `spec` at world size spec.scaling.num_workers.
+
+    Raises ValueError naming the key and the fix when the strategy cannot run.
+    """
+    from raylib.spec import load_json_or_path
+
+    s = spec.strategy
+    user = load_json_or_path(s.deepspeed_config) if s.deepspeed_config is not None else {}
+    unknown = sorted(set(user) - DEEPSPEED_TOP_LEVEL_KEYS)
+    if unknown:
+        raise ValueError(
+            f"strategy.deepspeed_config: unknown DeepSpeed key(s) {unknown}; "
+            "check the spelling against https://www.deepspeed.ai/docs/config-json/"
+        )
+    _check_explicit_conflicts(spec, user)
+    micro, accum, total = _resolve_batch(spec, user)
+
+    generated: dict[str, Any] = {
+        "train_batch_size": total,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": s.gradient_clipping,
+        "steps_per_print": 10**9,  # raylib reports metrics itself
+        "wall_clock_breakdown": False,
+        "zero_optimization": _zero_section(spec, on_gpu),
+        "optimizer": _optimizer_section(spec, on_gpu),
+    }
+    scheduler = _scheduler_section(spec)
+    if scheduler is not None:
+        generated["scheduler"] = scheduler
+    if s.precision == "fp16":
+        generated["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,  # 0 = dynamic loss scaling
+            "initial_scale_power": s.initial_scale_power,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        }
+    elif s.precision == "bf16":
+        generated["bf16"] = {"enabled": True}
+
+    config = _merge(user, generated)
+    _validate_zero_section(config.get("zero_optimization", {}))
+    return config
+
+
+def _resolve_batch(spec: JobSpec, user: dict[str, Any]) -> tuple[int, int, int]:
+    s, world = spec.strategy, spec.world_size
+    vals: dict[str, int | None] = {}
+    for field, ds_key in _BATCH_KEYS.items():
+        v = getattr(s, field)
+        ds_v = user.get(ds_key)
+        if v is None and ds_v not in (None, "auto"):
+            if not isinstance(ds_v, int) or ds_v < 1:
+                raise ValueError(f"strategy.deepspeed_config.{ds_key} must be a positive integer")
+            v = ds_v
+        vals[field] = v
+    m, a, g = vals["micro_batch_size"], vals["gradient_accumulation_steps"], vals["global_batch_size"]
+    fix = (
+        f"global_batch_size must equal micro_batch_size x gradient_accumulation_steps x "
+        f"num_workers ({world})"
+    )
+    if g is None:
+        m = m or DEFAULT_MICRO_BATCH
+        a = a or 1
+        g = m * a * world
+    elif m is None and a is None:
+        a = 1
+        if g % world:
+            raise ValueError(
+                f"strategy.global_batch_size={g} is not divisible by num_workers={world}; "
+                f"use a multiple of {world}"
+            )
+        m = g // world
+    elif m is None:
+        if g % (a * world):
+            raise ValueError(
+                f"strategy.global_batch_size={g} is not divisible by gradient_accumulation_steps"
+                f" x num_workers = {a} x {world}; {fix}"
+            )
+        m = g // (a * world)
+    elif a is None:
+        if g % (m * world):
+            raise ValueError(
+                f"strategy.global_batch_size={g} is not divisible by micro_batch_size x "
+                f"num_workers = {m} x {world}; {fix}"
+            )
+        a = g // (m * world)
+    elif m * a * world != g:
+        raise ValueError(
+            f"inconsistent batch: micro_batch_size={m} x gradient_accumulation_steps={a} x "
+            f"num_workers={world} = {m * a * world}, but global_batch_size={g}; {fix}, "
+            "or give only two of the three"
+        )
+    return m, a, g
+
+
+def _check_explicit_conflicts(spec: JobSpec, user: dict[str, Any]) -> None:
+    """A strategy field set explicitly must not contradict the native DeepSpeed JSON."""
+    s = spec.strategy
+    explicit = s.model_fields_set
+
+    def clash(field: str, mine: Any, ds_key: str, theirs: Any) -> None:
+        if field in explicit and theirs not in (None, "auto") and theirs != mine:
+            raise ValueError(
+                f"strategy.{field}={mine!r} contradicts deepspeed_config {ds_key}={theirs!r}; "
+                f"remove one of them"
+            )
+
+    for field, ds_key in _BATCH_KEYS.items():
+        clash(field, getattr(s, field), ds_key, user.get(ds_key))
+    clash("zero_stage", s.zero_stage, "zero_optimization.stage",
+          user.get("zero_optimization", {}).get("stage"))
+    clash("gradient_clipping", s.gradient_clipping, "gradient_clipping",
+          user.get("gradient_clipping"))
+    if "precision" in explicit:
+        ds_prec = _ds_precision(user)
+        if ds_prec is not None and ds_prec != s.precision:
+            raise ValueError(
+                f"strategy.precision={s.precision!r} contradicts deepspeed_config ({ds_prec} "
+                "enabled); remove one of them"
+            )
+
+
+def _ds_precision(cfg: dict[str, Any]) -> str | None:
+    if cfg.get("fp16", {}).get("enabled") is True:
+        return "fp16"
+    if cfg.get("bf16", {}).get("enabled") is True or cfg.get("bfloat16", {}).get("enabled") is True:
+        return "bf16"
+    if "fp16" in cfg or "bf16" in cfg:
+        return "fp32"
+    return None
+
+
+def _zero_section(spec: JobSpec, on_gpu: bool) -> dict[str, Any]:
+    s = spec.strategy
+    zero: dict[str, Any] = {"stage": s.zero_stage}
+    if s.zero_stage >= 1:
+        zero.update(
+            reduce_bucket_size=s.reduce_bucket_size,
+            allgather_bucket_size=s.allgather_bucket_size,
+            overlap_comm=s.overlap_comm,
+            contiguous_gradients=True,
+        )
+    if s.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    if s.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+    if s.zero_stage == 3:
+        del zero["allgather_bucket_size"]  # stage 3 uses prefetch/param-persistence knobs instead
+    return zero
+
+
+def _optimizer_section(spec: JobSpec, on_gpu: bool) -> dict[str, Any]:
+    o = spec.strategy.optimizer
+    if o.type == "sgd":
+        return {"type": "SGD", "params": {"lr": o.lr, "weight_decay": o.weight_decay}}
+    params: dict[str, Any] = {
+        "lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
+    }
+    if not on_gpu and not spec.strategy.offload_optimizer:
+        # On CPU, torch's Adam avoids JIT-building DeepSpeed's fused_adam op (minutes, once).
+        params["torch_adam"] = True
+    return {"type": "AdamW" if o.type == "adamw" else "Adam", "params": params}
+
+
+def _scheduler_section(spec: JobSpec) -> dict[str, Any] | None:
+    sched, lr, total = spec.strategy.lr_schedule, spec.strategy.optimizer.lr, spec.run.steps
+    warmup = min(sched.warmup_steps, total)
+    if sched.type == "constant":
+        return None
+    if sched.type == "warmup":
+        return {"type": "WarmupLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": max(warmup, 1),
+            "warmup_type": "linear"}}
+    if sched.type == "warmup_linear":
+        return {"type": "WarmupDecayLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": max(warmup, 1),
+            "total_num_steps": max(total, warmup + 1), "warmup_type": "linear"}}
+    return {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": max(total, warmup + 1), "warmup_num_steps": max(warmup, 1),
+        "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0}}
+
+
+def _merge(user: Any, generated: Any) -> Any:
+    """User values win; missing or "auto" values are filled from `generated`."""
+    if isinstance(user, dict) and isinstance(generated, dict):
+        out = copy.deepcopy(user)
+        for k, v in generated.items():
+            out[k] = _merge(user[k], v) if k in user else copy.deepcopy(v)
+        return out
+    return generated if user == "auto" else user
+
+
+def _validate_zero_section(zero: dict[str, Any]) -> None:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    try:
+        DeepSpeedZeroConfig(**zero)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise ValueError(
+            f"strategy.deepspeed_config.zero_optimization.{loc}: {first['msg']}"
+        ) from None

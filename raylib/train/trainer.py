@@ -1,0 +1,129 @@
+"""The driver side of a training job: validate, prepare data, build the TorchTrainer, summarise."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from raylib.spec import JobSpec
+from raylib.summary import RunResult, summarize
+
+log = logging.getLogger(__name__)
+
+
+def run(spec: JobSpec, address: str | None = None, progress: bool = True) -> RunResult:
+    """Run `spec` to completion (resuming its latest checkpoint if the run exists)."""
+    import ray
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raylib import runtime
+    from raylib.data.build import DatasetManifest, build, is_built, read_index
+    from raylib.data.source import training_dataset
+    from raylib.train.loop import worker_loop
+    from raylib.train.progress import ProgressBar
+    from raylib.train.strategy import resolve_ds_config
+
+    wall0 = time.perf_counter()
+    # Everything that can be checked without a cluster is checked first.
+    if not is_built(spec.data.path):
+        if spec.data.manifest is None:
+            raise FileNotFoundError(
+                f"data.path {spec.data.path!r} holds no built dataset and data.manifest is "
+                "unset; run `raylib data build MANIFEST --out URL` or set data.manifest"
+            )
+        build(DatasetManifest.load(spec.data.manifest), spec.data.path, progress=progress)
+    index = read_index(spec.data.path)
+    _check_data_fits(spec, index)
+
+    resources = runtime.connect(
+        address, num_cpus_needed=spec.world_size * spec.scaling.cpus_per_worker
+    )
+    on_gpu = _decide_gpu(spec, resources)
+    ds_config = resolve_ds_config(spec, on_gpu=on_gpu)
+    _check_capacity(spec, resources, on_gpu)
+
+    run_dir = spec.run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "spec.yaml").write_text(spec.to_yaml())
+    (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+
+    worker_spec = spec.model_copy(deep=True)
+    worker_spec.strategy.deepspeed_config = ds_config  # workers need no access to the driver's files
+    with ProgressBar(spec.run.steps, enabled=progress) as bar:
+        trainer = TorchTrainer(
+            worker_loop,
+            train_loop_config={
+                "spec": worker_spec.model_dump(mode="json", exclude_unset=True),
+                "ds_config": ds_config,
+                "on_gpu": on_gpu,
+                "vocab_size": index.vocab_size,
+                "seq_len": index.seq_len,
+                "pad_id": index.special_ids["[PAD]"],
+            },
+            torch_config=TorchConfig(backend="nccl" if on_gpu else "gloo"),
+            scaling_config=ray.train.ScalingConfig(
+                num_workers=spec.world_size,
+                use_gpu=on_gpu,
+                resources_per_worker={"CPU": spec.scaling.cpus_per_worker, **({"GPU": 1} if on_gpu else {})},
+            ),
+            run_config=ray.train.RunConfig(
+                name=spec.name,
+                storage_path=str(run_dir.parent),
+                failure_config=ray.train.FailureConfig(max_failures=spec.run.max_failures),
+                checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.checkpoint.keep),
+                callbacks=[bar.callback],
+            ),
+            datasets={"train": training_dataset(spec, index)},
+        )
+        log.info("training %r on %d worker(s) (%s, ZeRO-%d)", spec.name, spec.world_size,
+                 "GPU/NCCL" if on_gpu else "CPU/gloo", spec.strategy.zero_stage)
+        result = trainer.fit()
+    history = result.return_value
+    checkpoint_uri = result.checkpoint.path if result.checkpoint else None
+    return summarize(spec, history, index, ds_config, checkpoint_uri,
+                     wall_s=time.perf_counter() - wall0, run_dir=run_dir)
+
+
+def _check_data_fits(spec: JobSpec, index) -> None:
+    from raylib.train.strategy import resolve_ds_config
+
+    micro = resolve_ds_config(spec)["train_micro_batch_size_per_gpu"]
+    per_rank = index.num_rows // spec.world_size
+    if per_rank < micro:
+        raise ValueError(
+            f"data.path {spec.data.path!r} has {index.num_rows} rows: {per_rank} per worker, "
+            f"fewer than micro_batch_size={micro}; build a larger dataset (manifest size) or "
+            "lower strategy.micro_batch_size"
+        )
+
+
+def _decide_gpu(spec: JobSpec, resources: dict[str, Any]) -> bool:
+    gpus = resources.get("GPU", 0)
+    want = spec.scaling.use_gpu
+    if want == "auto":
+        return gpus >= spec.world_size
+    if want and gpus < spec.world_size:
+        raise ValueError(
+            f"scaling.use_gpu is true but the cluster has {gpus:g} GPU(s) for "
+            f"{spec.world_size} worker(s); add GPU nodes, lower scaling.num_workers, or set "
+            "use_gpu: auto"
+        )
+    return bool(want)
+
+
+def _check_capacity(spec: JobSpec, resources: dict[str, Any], on_gpu: bool) -> None:
+    need = spec.world_size * spec.scaling.cpus_per_worker
+    have = resources.get("CPU", 0)
+    if need > have:
+        raise ValueError(
+            f"the job needs {need:g} CPUs ({spec.world_size} workers x "
+            f"{spec.scaling.cpus_per_worker:g}) but the cluster has {have:g}; lower "
+            "scaling.num_workers or scaling.cpus_per_worker, or add nodes"
+        )
+
+
+__all__ = ["run", "RunResult"]

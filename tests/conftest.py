@@ -1,0 +1,19 @@
+"""Shared fixtures: a tiny built dataset and one real local Ray cluster per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory) -> str:
+    """datasets/ecommerce-tiny.yaml built once per session (a few seconds)."""
+    from raylib.data.build import DatasetManifest, build
+
+    out = tmp_path_factory.mktemp("data") / "ecommerce-tiny"
+    build(DatasetManifest.load(REPO / "datasets" / "ecommerce-tiny.yaml"), str(out), progress=False)
+    return str(out)

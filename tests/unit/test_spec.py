@@ -1,0 +1,413 @@
+"""JobSpec parsing and validation: every error names the offending key and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+import raylib
+from raylib.spec import (
+    CheckpointSpec,
+    DataSpec,
+    JobSpec,
+    LRScheduleSpec,
+    ModelSpec,
+    OptimizerSpec,
+    RunSpec,
+    ScalingSpec,
+    SpecError,
+    StrategySpec,
+    apply_override,
+)
+from raylib.train.presets import MODEL_PRESETS
+
+pytestmark = pytest.mark.unit
+
+
+def spec_error(data: dict, source: str = "spec") -> str:
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_dict(data, source=source)
+    return str(info.value)
+
+
+def write(tmp_path, text: str, name: str = "job.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+# -- the happy path ------------------------------------------------------------------------------
+
+
+def test_spec_error_is_a_value_error_and_exported():
+    assert issubclass(SpecError, ValueError)
+    assert raylib.SpecError is SpecError
+    assert raylib.JobSpec is JobSpec
+
+
+def test_empty_dict_gives_defaults():
+    spec = JobSpec.from_dict({})
+    assert spec.name == "bert-pretrain"
+    assert spec.model.preset == "bert-tiny"
+    assert spec.strategy.zero_stage == 2
+    assert spec.strategy.precision == "fp32"
+    assert spec.world_size == spec.scaling.num_workers == 2
+    assert spec.run.steps == 50
+
+
+def test_nested_sections_are_parsed_into_their_models():
+    spec = JobSpec.from_dict({
+        "name": "x",
+        "model": {"preset": "bert-mini", "overrides": {"num_hidden_layers": 1}},
+        "strategy": {"zero_stage": 3, "offload_params": True, "offload_optimizer": True,
+                     "precision": "bf16", "optimizer": {"type": "sgd", "lr": 0.1},
+                     "lr_schedule": {"type": "constant"}},
+        "scaling": {"num_workers": 4, "use_gpu": False},
+        "run": {"steps": 7},
+    })
+    assert isinstance(spec.model, ModelSpec) and spec.model.overrides == {"num_hidden_layers": 1}
+    assert isinstance(spec.strategy.optimizer, OptimizerSpec)
+    assert spec.strategy.optimizer.type == "sgd" and spec.strategy.optimizer.lr == 0.1
+    assert isinstance(spec.strategy.lr_schedule, LRScheduleSpec)
+    assert spec.strategy.zero_stage == 3 and spec.strategy.offload_params
+    assert spec.world_size == 4 and spec.scaling.use_gpu is False
+    assert spec.run.steps == 7
+
+
+def test_sections_forbid_unknown_keys_on_direct_construction():
+    for cls in (ModelSpec, DataSpec, StrategySpec, OptimizerSpec, LRScheduleSpec, ScalingSpec,
+                CheckpointSpec, RunSpec):
+        with pytest.raises(ValueError, match="bogus"):
+            cls(bogus=1)
+
+
+def test_run_dir_is_output_dir_slash_name(tmp_path):
+    spec = JobSpec.from_dict({"name": "abc", "run": {"output_dir": str(tmp_path)}})
+    assert spec.run_dir() == tmp_path.resolve() / "abc"
+
+
+def test_repr_is_short_and_names_the_essentials():
+    spec = JobSpec.from_dict({"name": "r1", "model": {"preset": "bert-small"},
+                              "scaling": {"num_workers": 3},
+                              "strategy": {"zero_stage": 1, "precision": "fp16"},
+                              "run": {"steps": 9}})
+    assert repr(spec) == (
+        "JobSpec(name='r1', model='bert-small', workers=3, zero=1, precision='fp16', steps=9)"
+    )
+
+
+# -- unknown keys --------------------------------------------------------------------------------
+
+
+def test_unknown_top_level_key_lists_allowed_sections():
+    msg = spec_error({"strategi": {}})
+    assert "strategi: unknown key" in msg
+    assert "allowed here: " + ", ".join(JobSpec.model_fields) in msg
+    for section in ("model", "data", "strategy", "scaling", "checkpoint", "run"):
+        assert section in msg
+
+
+@pytest.mark.parametrize(
+    "data, loc, model",
+    [
+        ({"strategy": {"zero_stagee": 1}}, "strategy.zero_stagee", StrategySpec),
+        ({"strategy": {"optimizer": {"lrr": 1}}}, "strategy.optimizer.lrr", OptimizerSpec),
+        ({"strategy": {"lr_schedule": {"warmup": 1}}}, "strategy.lr_schedule.warmup",
+         LRScheduleSpec),
+        ({"scaling": {"gpus": 1}}, "scaling.gpus", ScalingSpec),
+        ({"run": {"epochs": 1}}, "run.epochs", RunSpec),
+        ({"data": {"url": "x"}}, "data.url", DataSpec),
+        ({"checkpoint": {"every": 1}}, "checkpoint.every", CheckpointSpec),
+        ({"model": {"name": "bert"}}, "model.name", ModelSpec),
+    ],
+)
+def test_unknown_nested_key_lists_allowed_keys_of_its_section(data, loc, model):
+    msg = spec_error(data)
+    assert f"{loc}: unknown key; allowed here: {', '.join(model.model_fields)}" in msg
+
+
+def test_several_problems_are_all_reported():
+    msg = spec_error({"bogus": 1, "run": {"steps": 0}})
+    assert "(2 problem(s))" in msg
+    assert "bogus: unknown key" in msg
+    assert "run.steps" in msg
+
+
+def test_source_prefixes_the_message():
+    assert spec_error({"bogus": 1}, source="my.yaml").startswith("my.yaml: invalid job spec")
+
+
+# -- model ---------------------------------------------------------------------------------------
+
+
+def test_unknown_model_preset_lists_the_presets():
+    msg = spec_error({"model": {"preset": "bert-huge"}})
+    assert "model.preset" in msg and "'bert-huge'" in msg
+    assert str(sorted(MODEL_PRESETS)) in msg
+
+
+@pytest.mark.parametrize("preset", sorted(MODEL_PRESETS))
+def test_every_preset_is_accepted(preset):
+    assert JobSpec.from_dict({"model": {"preset": preset}}).model.preset == preset
+
+
+def test_unknown_bert_config_override_is_named():
+    msg = spec_error({"model": {"overrides": {"num_layers": 3, "hidden_size": 64}}})
+    assert "model.overrides" in msg
+    assert "['num_layers']" in msg  # only the unknown one
+    assert "BertConfig" in msg
+
+
+def test_known_bert_config_overrides_are_accepted():
+    spec = JobSpec.from_dict({"model": {"overrides": {"num_hidden_layers": 1,
+                                                      "hidden_dropout_prob": 0.0}}})
+    assert spec.model.overrides == {"num_hidden_layers": 1, "hidden_dropout_prob": 0.0}
+
+
+# -- strategy rules ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [-1, 4, "two"])
+def test_zero_stage_out_of_range(stage):
+    msg = spec_error({"strategy": {"zero_stage": stage}})
+    assert "strategy.zero_stage" in msg
+    assert "0, 1, 2 or 3" in msg
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_offload_params_needs_stage_3(stage):
+    msg = spec_error({"strategy": {"zero_stage": stage, "offload_params": True}})
+    assert "strategy.offload_params needs zero_stage 3" in msg
+    assert f"(got {stage})" in msg
+    assert "set zero_stage: 3 or offload_params: false" in msg
+
+
+def test_offload_params_with_stage_3_is_fine():
+    spec = JobSpec.from_dict({"strategy": {"zero_stage": 3, "offload_params": True}})
+    assert spec.strategy.offload_params
+
+
+def test_offload_optimizer_with_stage_0_is_rejected():
+    msg = spec_error({"strategy": {"zero_stage": 0, "offload_optimizer": True}})
+    assert "strategy.offload_optimizer needs ZeRO" in msg
+    assert "set zero_stage: 1, 2 or 3, or offload_optimizer: false" in msg
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_optimizer_with_zero_is_fine(stage):
+    spec = JobSpec.from_dict({"strategy": {"zero_stage": stage, "offload_optimizer": True}})
+    assert spec.strategy.offload_optimizer
+
+
+@pytest.mark.parametrize("precision", ["fp8", "float16", "FP16"])
+def test_unknown_precision(precision):
+    msg = spec_error({"strategy": {"precision": precision}})
+    assert "strategy.precision" in msg and "'fp32', 'fp16' or 'bf16'" in msg
+
+
+# -- names and numbers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["", "bad name", "a/b", "x;y", "../up"])
+def test_bad_run_name(name):
+    msg = spec_error({"name": name})
+    assert "- name:" in msg
+    assert "letters, digits, - _ ." in msg
+
+
+def test_good_run_name():
+    assert JobSpec.from_dict({"name": "Run-1_a.b"}).name == "Run-1_a.b"
+
+
+@pytest.mark.parametrize(
+    "path, value, bound",
+    [
+        ("run.steps", 0, "greater than or equal to 1"),
+        ("run.steps", -5, "greater than or equal to 1"),
+        ("run.log_every", 0, "greater than or equal to 1"),
+        ("run.max_failures", -2, "greater than or equal to -1"),
+        ("scaling.num_workers", 0, "greater than or equal to 1"),
+        ("scaling.cpus_per_worker", 0, "greater than 0"),
+        ("strategy.micro_batch_size", 0, "greater than or equal to 1"),
+        ("strategy.gradient_accumulation_steps", 0, "greater than or equal to 1"),
+        ("strategy.global_batch_size", -8, "greater than or equal to 1"),
+        ("strategy.gradient_clipping", -1.0, "greater than or equal to 0"),
+        ("strategy.initial_scale_power", -1, "greater than or equal to 0"),
+        ("strategy.initial_scale_power", 33, "less than or equal to 32"),
+        ("strategy.reduce_bucket_size", 0, "greater than or equal to 1"),
+        ("strategy.allgather_bucket_size", 0, "greater than or equal to 1"),
+        ("strategy.optimizer.lr", 0, "greater than 0"),
+        ("strategy.optimizer.eps", -1e-8, "greater than 0"),
+        ("strategy.optimizer.weight_decay", -0.1, "greater than or equal to 0"),
+        ("strategy.lr_schedule.warmup_steps", -1, "greater than or equal to 0"),
+        ("data.mlm_probability", 0.0, "greater than 0"),
+        ("data.mlm_probability", 1.0, "less than 1"),
+        ("checkpoint.keep", 0, "greater than or equal to 1"),
+        ("checkpoint.interval_steps", -1, "greater than or equal to 0"),
+    ],
+)
+def test_out_of_range_numbers_name_the_key_and_bound(path, value, bound):
+    *sections, key = path.split(".")
+    data: dict = {}
+    node = data
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[key] = value
+    msg = spec_error(data)
+    assert f"- {path}: " in msg
+    assert bound in msg
+    assert f"(got {value!r})" in msg
+
+
+# -- YAML files ----------------------------------------------------------------------------------
+
+
+def test_missing_config_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(SpecError, match="not found") as info:
+        JobSpec.from_yaml(missing)
+    assert str(missing) in str(info.value)
+
+
+def test_a_directory_is_not_a_config_file(tmp_path):
+    with pytest.raises(SpecError, match="not found"):
+        JobSpec.from_yaml(tmp_path)
+
+
+def test_invalid_yaml(tmp_path):
+    p = write(tmp_path, "strategy: {zero_stage: 2\nrun: [")
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_yaml(p)
+    assert str(info.value).startswith(f"{p}: not valid YAML")
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "42\n"])
+def test_non_mapping_yaml(tmp_path, text):
+    p = write(tmp_path, text)
+    with pytest.raises(SpecError, match="the top level must be a mapping of sections") as info:
+        JobSpec.from_yaml(p)
+    assert str(p) in str(info.value)
+
+
+def test_empty_yaml_gives_defaults(tmp_path):
+    spec = JobSpec.from_yaml(write(tmp_path, "# nothing but a comment\n"))
+    assert spec.model_dump() == JobSpec.from_dict({}).model_dump()
+
+
+def test_yaml_errors_name_the_file(tmp_path):
+    p = write(tmp_path, "strategy:\n  zero_stage: 7\n")
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_yaml(p)
+    assert str(info.value).startswith(f"{p}: invalid job spec")
+    assert "strategy.zero_stage" in str(info.value)
+
+
+def test_from_yaml_round_trips_through_to_yaml(tmp_path):
+    spec = JobSpec.from_dict({
+        "name": "round-trip",
+        "model": {"preset": "bert-mini", "overrides": {"num_hidden_layers": 2}},
+        "data": {"path": "s3://bucket/ds", "manifest": None, "mlm_probability": 0.2},
+        "strategy": {"zero_stage": 3, "offload_params": True, "offload_optimizer": True,
+                     "precision": "fp16", "initial_scale_power": 12, "micro_batch_size": 4,
+                     "global_batch_size": 48, "optimizer": {"type": "adam", "lr": 3e-4,
+                                                            "betas": [0.8, 0.95]},
+                     "lr_schedule": {"type": "warmup_cosine", "warmup_steps": 3}},
+        "scaling": {"num_workers": 3, "use_gpu": True, "cpus_per_worker": 2},
+        "checkpoint": {"interval_steps": 5, "keep": 3, "at_end": False},
+        "run": {"steps": 30, "seed": 9, "log_every": 3, "max_failures": -1},
+    })
+    text = spec.to_yaml()
+    assert yaml.safe_load(text) == spec.model_dump(mode="json")
+    again = JobSpec.from_yaml(write(tmp_path, text))
+    assert again.model_dump() == spec.model_dump()
+    assert again.strategy.optimizer.betas == (0.8, 0.95)
+    assert again.strategy.gradient_accumulation_steps is None  # stays unresolved in the spec
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "package bug: to_yaml() writes every strategy field, so on reload zero_stage/precision/"
+    "gradient_clipping/micro_batch_size become 'explicit' and clash with deepspeed_config "
+    "(raylib/spec.py to_yaml + raylib/train/strategy.py _check_explicit_conflicts)"))
+def test_round_trip_with_a_deepspeed_config(tmp_path):
+    spec = JobSpec.from_dict({"strategy": {"deepspeed_config": {
+        "zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 4}}})
+    again = JobSpec.from_yaml(write(tmp_path, spec.to_yaml()))
+    assert again.model_dump() == spec.model_dump()
+
+
+# -- --set overrides -----------------------------------------------------------------------------
+
+
+def test_apply_override_creates_nested_sections():
+    data: dict = {}
+    apply_override(data, "strategy.optimizer.lr=0.25")
+    apply_override(data, "run.steps=3")
+    assert data == {"strategy": {"optimizer": {"lr": 0.25}}, "run": {"steps": 3}}
+
+
+def test_apply_override_keeps_sibling_keys():
+    data = {"strategy": {"zero_stage": 1, "precision": "bf16"}}
+    apply_override(data, "strategy.zero_stage=3")
+    assert data == {"strategy": {"zero_stage": 3, "precision": "bf16"}}
+
+
+@pytest.mark.parametrize(
+    "item, key, expected",
+    [
+        ("strategy.zero_stage=3", "zero_stage", 3),
+        ("strategy.gradient_clipping=0.5", "gradient_clipping", 0.5),
+        ("strategy.overlap_comm=true", "overlap_comm", True),
+        ("strategy.micro_batch_size=null", "micro_batch_size", None),
+        ("strategy.precision=bf16", "precision", "bf16"),
+        ("strategy.betas=[0.8, 0.9]", "betas", [0.8, 0.9]),
+        ("strategy.deepspeed_config={fp16: {enabled: true}}", "deepspeed_config",
+         {"fp16": {"enabled": True}}),
+        ("strategy.zero_stage = 1", "zero_stage", 1),  # spaces around '=' are fine
+        ("strategy.precision='3'", "precision", "3"),  # quoting keeps a string
+    ],
+)
+def test_apply_override_values_are_yaml_typed(item, key, expected):
+    data: dict = {}
+    apply_override(data, item)
+    assert data["strategy"][key] == expected
+    assert type(data["strategy"][key]) is type(expected)
+
+
+def test_apply_override_splits_on_the_first_equals_sign():
+    data: dict = {}
+    apply_override(data, "data.path=s3://b/k=v")
+    assert data == {"data": {"path": "s3://b/k=v"}}
+
+
+def test_apply_override_without_equals_is_rejected():
+    with pytest.raises(SpecError) as info:
+        apply_override({}, "strategy.zero_stage")
+    msg = str(info.value)
+    assert "'strategy.zero_stage'" in msg
+    assert "expected key=value" in msg and "strategy.zero_stage=3" in msg
+
+
+def test_apply_override_into_a_scalar_is_rejected():
+    data = {"name": "job"}
+    with pytest.raises(SpecError, match="'name' is not a section"):
+        apply_override(data, "name.first=x")
+    assert data == {"name": "job"}
+
+
+def test_from_yaml_applies_overrides_over_the_file(tmp_path):
+    p = write(tmp_path, "name: a\nstrategy:\n  zero_stage: 1\n  precision: bf16\n")
+    spec = JobSpec.from_yaml(p, overrides=["strategy.zero_stage=3", "name=b",
+                                           "strategy.optimizer.lr=1e-3", "run.steps=4"])
+    assert spec.name == "b"
+    assert spec.strategy.zero_stage == 3
+    assert spec.strategy.precision == "bf16"  # untouched keys survive
+    assert spec.strategy.optimizer.lr == pytest.approx(1e-3)  # YAML '1e-3' is a str: coerced
+    assert spec.run.steps == 4
+
+
+def test_overrides_are_validated_like_the_file(tmp_path):
+    p = write(tmp_path, "name: a\n")
+    with pytest.raises(SpecError, match="strategy.zero_stagee: unknown key"):
+        JobSpec.from_yaml(p, overrides=["strategy.zero_stagee=3"])
+    with pytest.raises(SpecError, match="expected key=value"):
+        JobSpec.from_yaml(p, overrides=["oops"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -42,15 +43,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args) -> int:
     from raylib.spec import JobSpec
+    from raylib.train.strategy import resolve_ds_config
 
-    spec = JobSpec.from_yaml(args.config, overrides=args.overrides)
+    # Importing DeepSpeed prints to stdout; keep stdout for the report alone.
+    with contextlib.redirect_stdout(sys.stderr):
+        spec = JobSpec.from_yaml(args.config, overrides=args.overrides)
+        ds_config = resolve_ds_config(spec)
     if args.dry_run:
-        from raylib.train.strategy import resolve_ds_config
-
         print("# resolved job spec")
         print(spec.to_yaml())
         print("# effective DeepSpeed config (CPU; on GPU the optimizer drops torch_adam)")
-        print(json.dumps(resolve_ds_config(spec), indent=2))
+        print(json.dumps(ds_config, indent=2))
         return 0
     from raylib.train.trainer import run
 

@@ -103,20 +103,6 @@ class StrategySpec(_Section):
     """A native DeepSpeed JSON config (path or dict). It is the base of the effective config;
     the fields above fill in what it leaves out or sets to "auto"."""
 
-    @model_validator(mode="after")
-    def _offload_rules(self) -> StrategySpec:
-        if self.offload_params and self.zero_stage != 3:
-            raise ValueError(
-                f"strategy.offload_params needs zero_stage 3 (got {self.zero_stage}); "
-                "set zero_stage: 3 or offload_params: false"
-            )
-        if self.offload_optimizer and self.zero_stage == 0:
-            raise ValueError(
-                "strategy.offload_optimizer needs ZeRO (zero_stage >= 1); "
-                "set zero_stage: 1, 2 or 3, or offload_optimizer: false"
-            )
-        return self
-
 
 class ScalingSpec(_Section):
     num_workers: int = Field(2, ge=1)
@@ -199,7 +185,15 @@ class JobSpec(_Section):
         return cls.from_dict(data, source=str(path))
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        """The spec with every default filled in; loading it gives the same spec.
+
+        With a native DeepSpeed config, strategy fields the user did not set are left out:
+        written out they would count as explicit and could contradict that config.
+        """
+        data = self.model_dump(mode="json")
+        if self.strategy.deepspeed_config is not None:
+            data["strategy"] = self.strategy.model_dump(mode="json", exclude_unset=True)
+        return yaml.safe_dump(data, sort_keys=False)
 
     @property
     def world_size(self) -> int:
@@ -239,7 +233,8 @@ def _explain(e: ValidationError, source: str) -> str:
             lines.append(f"  - {loc}: unknown key; allowed here: {', '.join(allowed)}")
         else:
             msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"  - {loc}: {msg} (got {err.get('input')!r})")
+            got = f" (got {err.get('input')!r})" if err["loc"] else ""  # not the whole spec
+            lines.append(f"  - {loc}: {msg}{got}")
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ import io
 import json
 import logging
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -87,7 +88,13 @@ class DatasetManifest(BaseModel):
         if not path.is_file():
             raise ValueError(f"dataset manifest {str(path)!r} not found")
         try:
-            return cls.model_validate(yaml.safe_load(path.read_text()) or {})
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a dataset manifest must be a mapping of fields")
+        try:
+            return cls.model_validate(data)
         except ValidationError as e:
             problems = "; ".join(
                 f"{'.'.join(map(str, err['loc']))}: {err['msg'].removeprefix('Value error, ')}"
@@ -133,16 +140,30 @@ def is_built(url: str) -> bool:
 
 
 def train_tokenizer(manifest: DatasetManifest):
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    """A WordPiece tokenizer (HF `tokenizers`) whose vocabulary is a pure function of the corpus.
 
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizers' WordPieceTrainer breaks ties in hash-map order, so it yields a different
+    vocabulary on every run (huggingface/tokenizers#1794). The vocabulary here is built in a
+    fixed order instead: special tokens, every character alone and as a "##" continuation (so
+    any word can be split), then whole words by frequency, ties broken alphabetically.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    normalizer = normalizers.BertNormalizer(lowercase=True)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    counts: Counter[str] = Counter()
+    for text in _text_until(manifest, parse_size(manifest.tokenizer_sample)):
+        counts.update(w for w, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
+    chars = sorted({c for word in counts for c in word})
+    vocab = SPECIAL_TOKENS + chars + [f"##{c}" for c in chars]
+    taken = set(vocab)
+    words = sorted((w for w in counts if w not in taken), key=lambda w: (-counts[w], w))
+    vocab += words[: max(0, manifest.vocab_size - len(vocab))]
+
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(
-        vocab_size=manifest.vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False
-    )
-    tok.train_from_iterator(_text_until(manifest, parse_size(manifest.tokenizer_sample)), trainer)
     return tok
 
 
@@ -171,7 +192,9 @@ def pack_rows(token_lists: list[list[int]], seq_len: int, cls_id: int, sep_id: i
     return np.concatenate([cls, blocks, sep], axis=1)
 
 
-def build(manifest: DatasetManifest, out_url: str, force: bool = False, progress: bool = True) -> DatasetIndex:
+def build(
+    manifest: DatasetManifest, out_url: str, force: bool = False, progress: bool = True
+) -> DatasetIndex:
     """Generate, tokenize and shard the corpus described by `manifest` into `out_url`."""
     from tqdm.auto import tqdm
 

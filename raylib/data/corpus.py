@@ -7,6 +7,7 @@ generated shard by shard, in parallel, without keeping it in memory.
 from __future__ import annotations
 
 import random
+
 BRANDS = """acme northwind contoso fabrikam litware tailspin wingtip adatum proseware lucerne
 fourth-coffee humongous margie alpine blue-yonder coho graphic-design wide-world trey
 vanarsdel""".split()

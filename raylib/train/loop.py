@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import time
 import warnings
@@ -20,6 +21,7 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_gpu else "cpu")
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed deprecations, per step
+    logging.getLogger("ray.train").setLevel(logging.WARNING)  # one line per report otherwise
 
     import deepspeed
     import ray.train

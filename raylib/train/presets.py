@@ -9,5 +9,7 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
     "bert-small": dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, intermediate_size=2048),
     "bert-medium": dict(num_hidden_layers=8, hidden_size=512, num_attention_heads=8, intermediate_size=2048),
     "bert-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
-    "bert-large": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096),
+    "bert-large": dict(
+        num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096
+    ),
 }

@@ -59,6 +59,12 @@ def resolve_ds_config(spec: JobSpec, on_gpu: bool = False) -> dict[str, Any]:
             f"strategy.deepspeed_config: unknown DeepSpeed key(s) {unknown}; "
             "check the spelling against https://www.deepspeed.ai/docs/config-json/"
         )
+    for key in ("zero_optimization", "fp16", "bf16", "optimizer", "scheduler"):
+        if key in user and not isinstance(user[key], dict):
+            raise ValueError(
+                f"strategy.deepspeed_config.{key} must be a mapping (got {user[key]!r}); "
+                "see https://www.deepspeed.ai/docs/config-json/"
+            )
     _check_explicit_conflicts(spec, user)
     micro, accum, total = _resolve_batch(spec, user)
 
@@ -75,21 +81,41 @@ def resolve_ds_config(spec: JobSpec, on_gpu: bool = False) -> dict[str, Any]:
     scheduler = _scheduler_section(spec)
     if scheduler is not None:
         generated["scheduler"] = scheduler
+    generated["fp16"] = {"enabled": s.precision == "fp16"}
     if s.precision == "fp16":
-        generated["fp16"] = {
-            "enabled": True,
-            "loss_scale": 0,  # 0 = dynamic loss scaling
-            "initial_scale_power": s.initial_scale_power,
-            "loss_scale_window": 1000,
-            "hysteresis": 2,
-            "min_loss_scale": 1,
-        }
-    elif s.precision == "bf16":
-        generated["bf16"] = {"enabled": True}
+        generated["fp16"].update(
+            loss_scale=0,  # 0 = dynamic loss scaling
+            initial_scale_power=s.initial_scale_power,
+            loss_scale_window=1000,
+            hysteresis=2,
+            min_loss_scale=1,
+        )
+    generated["bf16"] = {"enabled": s.precision == "bf16"}
 
+    for key in ("optimizer", "scheduler"):
+        # A user's own optimizer/scheduler type takes none of the generated type's params.
+        theirs = user.get(key, {}).get("type", "auto")
+        if theirs != "auto" and key in generated and theirs != generated[key]["type"]:
+            del generated[key]
     config = _merge(user, generated)
-    _validate_zero_section(config.get("zero_optimization", {}))
+    _check_offload(spec, config["zero_optimization"])
+    _validate_zero_section(config["zero_optimization"])
     return config
+
+
+def _check_offload(spec: JobSpec, zero: dict[str, Any]) -> None:
+    """Offload rules against the effective ZeRO stage (it may come from the DeepSpeed JSON)."""
+    s, stage = spec.strategy, zero.get("stage", 0)
+    if s.offload_params and stage != 3:
+        raise ValueError(
+            f"strategy.offload_params needs zero_stage 3 (effective ZeRO stage: {stage}); "
+            "set zero_stage: 3 or offload_params: false"
+        )
+    if s.offload_optimizer and stage == 0:
+        raise ValueError(
+            "strategy.offload_optimizer needs ZeRO (zero_stage >= 1; effective stage: 0); "
+            "set zero_stage: 1, 2 or 3, or offload_optimizer: false"
+        )
 
 
 def _resolve_batch(spec: JobSpec, user: dict[str, Any]) -> tuple[int, int, int]:
@@ -149,7 +175,8 @@ def _check_explicit_conflicts(spec: JobSpec, user: dict[str, Any]) -> None:
     explicit = s.model_fields_set
 
     def clash(field: str, mine: Any, ds_key: str, theirs: Any) -> None:
-        if field in explicit and theirs not in (None, "auto") and theirs != mine:
+        if field in explicit and mine is not None and theirs not in (None, "auto") \
+                and theirs != mine:
             raise ValueError(
                 f"strategy.{field}={mine!r} contradicts deepspeed_config {ds_key}={theirs!r}; "
                 f"remove one of them"
@@ -171,13 +198,14 @@ def _check_explicit_conflicts(spec: JobSpec, user: dict[str, Any]) -> None:
 
 
 def _ds_precision(cfg: dict[str, Any]) -> str | None:
-    if cfg.get("fp16", {}).get("enabled") is True:
+    """The precision a DeepSpeed JSON asks for; None while it leaves it open (no section, or
+    "enabled": "auto"). A section without "enabled" is disabled, as in DeepSpeed."""
+    flags = {k: cfg[k].get("enabled", False) for k in ("fp16", "bf16") if k in cfg}
+    if flags.get("fp16") is True:
         return "fp16"
-    if cfg.get("bf16", {}).get("enabled") is True or cfg.get("bfloat16", {}).get("enabled") is True:
+    if flags.get("bf16") is True:
         return "bf16"
-    if "fp16" in cfg or "bf16" in cfg:
-        return "fp32"
-    return None
+    return None if not flags or "auto" in flags.values() else "fp32"
 
 
 def _zero_section(spec: JobSpec, on_gpu: bool) -> dict[str, Any]:

@@ -173,7 +173,7 @@ def dash_m_dry_run():
 def test_python_dash_m_dry_run(dash_m_dry_run):
     proc = dash_m_dry_run
     assert proc.returncode == 0, proc.stderr
-    report = proc.stdout[proc.stdout.index(SPEC_HEADER):]  # see the xfail below
+    report = proc.stdout[proc.stdout.index(SPEC_HEADER):]
     printed_spec, printed_ds = split_dry_run(report)
     assert printed_spec["name"] == "tiny"
     assert printed_spec["strategy"]["zero_stage"] == 1
@@ -188,9 +188,6 @@ def _deepspeed_warns_on_import() -> bool:
     return "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available()
 
 
-@pytest.mark.xfail(_deepspeed_warns_on_import(), strict=True, reason=(
-    "package bug: importing deepspeed logs 'Setting accelerator to CPU' to stdout, so "
-    "`raylib run --dry-run > out` is not just the report (raylib/cli.py _run)"))
 def test_dry_run_stdout_is_only_the_report(dash_m_dry_run):
     assert dash_m_dry_run.stdout.startswith(SPEC_HEADER)
 

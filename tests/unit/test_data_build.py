@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import yaml
 
 from raylib.data import build as build_mod
 from raylib.data.build import (
@@ -137,9 +136,6 @@ def test_manifest_missing_file(tmp_path):
     assert "none.yaml" in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, raises=yaml.YAMLError, reason=(
-    "package bug: DatasetManifest.load lets yaml.YAMLError escape (not a ValueError), so "
-    "`raylib data build` prints a traceback instead of exiting 2 (raylib/data/build.py load)"))
 def test_manifest_invalid_yaml(tmp_path):
     p = tmp_path / "m.yaml"
     p.write_text("name: [x\n")
@@ -263,10 +259,6 @@ def test_build_is_deterministic_given_the_tokenizer(tiny_dir, tmp_path, monkeypa
         tiny_dir / INDEX).read_text().replace(str(tiny_dir), "")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "package bug: tokenizers' WordPieceTrainer is not deterministic (hash-map order, "
-    "huggingface/tokenizers#1794), so raylib.data.build.train_tokenizer and every shard hash "
-    "differ from build to build"))
 def test_build_is_deterministic(tiny_dir, tmp_path):
     manifest = DatasetManifest.load(TINY_MANIFEST)
     # several vocabularies, so that a chance agreement under the bug is negligible

@@ -9,6 +9,7 @@ The runs alternate (raylib, bare, raylib, bare, ...) so that machine noise hits 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -20,7 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from raylib import JobSpec  # noqa: E402
+with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints on import
+    from raylib import JobSpec  # noqa: E402
 from raylib.summary import WARMUP_STEPS  # noqa: E402
 
 
@@ -68,15 +70,19 @@ def main() -> None:
     args = ap.parse_args()
 
     import raylib
+    from raylib import runtime
     from raylib.data.build import DatasetManifest, build
 
+    # stdout carries only the JSON: workers' output is not forwarded to the driver.
+    runtime.connect(num_cpus_needed=args.workers, log_to_driver=False)
     build(DatasetManifest.load(REPO / "datasets/ecommerce.yaml"), str(REPO / ".raylib/data/ecommerce"),
           progress=False)
-    ours, bare = [], []
+    ours, bare, waits = [], [], []
     with tempfile.TemporaryDirectory(prefix="raylib-bench-") as tmp:
         for r in range(args.rounds):
             result = raylib.run(spec_for(args, tmp, f"round{r}"), progress=False)
             ours.append(result.summary["samples_per_s"])
+            waits.append(result.summary["data_wait_fraction"])
             bare.append(run_bare(spec_for(args, tmp, f"bare{r}"), Path(tmp)))
             print(f"round {r}: raylib {ours[-1]:.1f} samples/s, bare DeepSpeed {bare[-1]:.1f}",
                   file=sys.stderr)
@@ -87,7 +93,7 @@ def main() -> None:
         "micro_batch_size": args.micro_batch, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
         "rounds": args.rounds,
         "raylib_samples_per_s": raylib_sps, "bare_deepspeed_samples_per_s": bare_sps,
-        "raylib_rounds": ours, "bare_rounds": bare,
+        "raylib_rounds": ours, "bare_rounds": bare, "raylib_data_wait_fraction": waits,
         "ratio": raylib_sps / bare_sps, "target_ratio": 0.97,
     }, indent=2))
 

@@ -19,6 +19,7 @@ def connect(
     num_cpus_needed: float = 0,
     runtime_env: dict[str, Any] | None = None,
     object_store_memory: int | None = None,
+    log_to_driver: bool = True,
 ) -> dict[str, Any]:
     """Connect (or reuse the connection) and return the cluster's total resources.
 
@@ -32,7 +33,7 @@ def connect(
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs: dict[str, Any] = {
         "runtime_env": runtime_env or None,
-        "log_to_driver": True,
+        "log_to_driver": log_to_driver,
         "configure_logging": True,
         "logging_level": logging.WARNING,
     }

@@ -6,18 +6,12 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
+
 TINY_MANIFEST = REPO / "datasets" / "ecommerce-tiny.yaml"
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    """datasets/ecommerce-tiny.yaml built once per session (about a second). Read-only for tests.
-
-    (tests/conftest.py has a similar `tiny_dataset` fixture returning a str; this one is the unit
-    lane's own, so the lane does not depend on fixtures other lanes may change.)"""
-    from raylib.data.build import DatasetManifest, build
-
-    out = tmp_path_factory.mktemp("ecommerce-tiny")
-    build(DatasetManifest.load(TINY_MANIFEST), str(out), progress=False)
-    return out
+def tiny_dir(tiny_dataset) -> Path:
+    """The session's built datasets/ecommerce-tiny.yaml as a Path. Read-only for tests."""
+    return Path(tiny_dataset)

@@ -1,0 +1,236 @@
+"""The gang scheduler on Ray: a named, detached actor shared by every job of the cluster.
+
+It drives `queue.GangQueue` (priorities, all-or-nothing, preemption, backfill, quotas) with the
+cluster's real topology (`ray.nodes()` labels) and carries out its decisions with placement
+groups: a started job's whole plan is reserved as ONE placement group whose bundles are pinned
+to the planned nodes by `bundle_label_selector`. Ray itself has no queue, priority, preemption
+or timeout for placement groups; this actor adds them.
+
+A job uses its reservation through `Reservation.handoff()`: the group is released at the moment
+the job's own workers are created with the same per-rank node selectors (Ray Train creates its
+own placement group), while the scheduler keeps the accelerators accounted to the job until
+`release()`. A preempted job is told through `preempt_requested()`; it checkpoints, stops, and
+is already back in the queue.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from raylib.placement.planner import Parallelism, PlacementError, PlacementPlan
+from raylib.placement.queue import GangQueue, Job, Policy, Preempt, Start, Timeout
+
+ACTOR_NAME = "raylib-gang-scheduler"
+NAMESPACE = "raylib"
+TICK_S = 0.2
+
+
+class GangSchedulerActor:
+    """Runs inside Ray (see `scheduler()`); every method is a remote call."""
+
+    def __init__(self, policy: dict[str, Any] | None = None, resource: str = "GPU"):
+        import ray
+
+        from raylib.placement.topology import Topology
+
+        self.resource = resource
+        self.topology = Topology.from_ray_nodes(ray.nodes(), resource=resource)
+        self.queue = GangQueue(self.topology, Policy(**(policy or {})), on_preempt=self._on_preempt)
+        self.groups: dict[str, Any] = {}  # job id -> placement group of its reservation
+        self.status: dict[str, dict[str, Any]] = {}
+        self.preempt_flags: set[str] = set()
+        self.lock = threading.RLock()
+        self.t0 = time.monotonic()
+        threading.Thread(target=self._loop, daemon=True, name="gang-tick").start()
+
+    # -- remote API ---------------------------------------------------------------------------
+
+    def submit(self, job_id: str, parallelism: dict[str, Any], priority: int = 0,
+               tenant: str = "default", timeout_s: float | None = None,
+               duration_s: float | None = None) -> None:
+        """Queue a job; raises PlacementError at once if it could never fit this cluster."""
+        with self.lock:
+            job = Job(id=job_id, parallelism=Parallelism(**parallelism), tenant=tenant,
+                      priority=priority, submit_time=self._now(), timeout=timeout_s,
+                      duration_estimate=duration_s)
+            self.queue.submit(job)
+            self.status[job_id] = {"state": "queued", "reason": None, "preemptions": 0}
+
+    def poll(self, job_id: str) -> dict[str, Any]:
+        """state: queued | reserving | ready | timed_out | released; plus reason and plan."""
+        with self.lock:
+            st = dict(self.status[job_id])
+            job = self.queue.jobs.get(job_id)
+            if st["state"] == "queued" and job is not None:
+                st["reason"] = st["reason"] or self.queue.why_waiting(job)
+            return st
+
+    def release(self, job_id: str) -> None:
+        """The job is done with its accelerators (finished, failed, or stopped for preemption
+        and already re-queued)."""
+        with self.lock:
+            self._remove_group(job_id)
+            self.preempt_flags.discard(job_id)
+            job = self.queue.jobs.get(job_id)
+            if job is not None and job.state.value == "running":
+                self.queue.finish(job_id)
+                self.status[job_id]["state"] = "released"
+
+    def handoff(self, job_id: str) -> None:
+        """Free the job's placement group for its own workers; accounting stays with the job."""
+        with self.lock:
+            self._remove_group(job_id)
+
+    def preempt_requested(self, job_id: str) -> bool:
+        with self.lock:
+            return job_id in self.preempt_flags
+
+    def jobs(self) -> dict[str, dict[str, Any]]:
+        with self.lock:
+            return {k: dict(v) for k, v in self.status.items()}
+
+    def shutdown(self) -> None:
+        """Remove every placement group this scheduler holds (before killing the actor)."""
+        with self.lock:
+            for job_id in list(self.groups):
+                self._remove_group(job_id)
+
+    def placement_groups(self) -> dict[str, str]:
+        with self.lock:
+            return {k: pg.id.hex() for k, pg in self.groups.items()}
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _on_preempt(self, job: Job) -> None:
+        self.preempt_flags.add(job.id)
+
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                try:
+                    self._step()
+                except Exception as e:  # keep scheduling; surface the error on every job
+                    for st in self.status.values():
+                        st["error"] = repr(e)
+            time.sleep(TICK_S)
+
+    def _step(self) -> None:
+        from ray.util.placement_group import placement_group
+
+        self._sync_nodes()
+        for d in self.queue.tick(self._now()):
+            st = self.status[d.job.id]
+            if isinstance(d, Start):
+                self.groups[d.job.id] = placement_group(
+                    bundles=d.plan.bundles, strategy="PACK",
+                    bundle_label_selector=d.plan.bundle_label_selector,
+                    name=f"raylib-gang-{d.job.id}",
+                )
+                st.update(state="reserving", reason=None, plan=d.plan.to_dict(), since=self._now())
+            elif isinstance(d, Preempt):
+                self._remove_group(d.job.id)
+                st.update(state="queued", reason=f"preempted: {d.reason}",
+                          preemptions=st["preemptions"] + 1)
+            elif isinstance(d, Timeout):
+                st.update(state="timed_out", reason=d.reason)
+        for job_id, pg in list(self.groups.items()):
+            st, job = self.status[job_id], self.queue.jobs[job_id]
+            if st["state"] != "reserving":
+                continue
+            if pg.wait(timeout_seconds=0):
+                st["state"] = "ready"
+            elif job.timeout is not None and self._now() - st["since"] > job.timeout:
+                # The plan fits the accelerators but Ray cannot place a bundle (CPU, memory...).
+                self.release(job_id)
+                st.update(state="timed_out", reason=(
+                    f"its placement group stayed pending for {job.timeout:g}s: a node chosen "
+                    f"for it lacks resources for bundle {_first_bundle(st)} (check `ray status`)"))
+
+    def _sync_nodes(self) -> None:
+        import ray
+
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        for node in self.topology.nodes:
+            ray_id = node.selector.get("ray.io/node-id", node.id)
+            if ray_id not in alive and node.id not in self.queue.down:
+                for d in self.queue.node_down(node.id, self._now()):
+                    self._remove_group(d.job.id)
+                    self.status[d.job.id].update(state="queued", reason=f"re-planning: {d.reason}")
+                    self.preempt_flags.add(d.job.id)
+
+    def _remove_group(self, job_id: str) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        pg = self.groups.pop(job_id, None)
+        if pg is not None:
+            remove_placement_group(pg)
+
+
+def _first_bundle(status: dict[str, Any]) -> dict[str, float]:
+    return status["plan"]["bundles"][0]
+
+
+def scheduler(policy: dict[str, Any] | None = None):
+    """The cluster's gang scheduler actor (created, detached, on first use)."""
+    import ray
+
+    return (
+        ray.remote(GangSchedulerActor)
+        .options(name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                 num_cpus=0, max_concurrency=32)
+        .remote(policy)
+    )
+
+
+@dataclass
+class Reservation:
+    job_id: str
+    plan: PlacementPlan
+    actor: Any
+
+    def label_selectors(self) -> list[dict[str, str]]:
+        """Per-rank node selectors: ScalingConfig(label_selector=...) places rank i there."""
+        return [self.plan.bundle_label_selector[b] for b in self.plan.rank_to_bundle]
+
+    def handoff(self) -> None:
+        import ray
+
+        ray.get(self.actor.handoff.remote(self.job_id))
+
+    def preempt_requested(self) -> bool:
+        import ray
+
+        return ray.get(self.actor.preempt_requested.remote(self.job_id))
+
+    def release(self) -> None:
+        import ray
+
+        ray.get(self.actor.release.remote(self.job_id))
+
+
+def reserve(job_id: str, parallelism: Parallelism, *, priority: int = 0, tenant: str = "default",
+            timeout_s: float | None = None, actor=None, poll_s: float = TICK_S) -> Reservation:
+    """Queue `job_id` and block until its placement group is ready (all or nothing).
+
+    Raises PlacementError when the job can never fit, or when `timeout_s` passes first — the
+    message says which constraint could not be met. A resubmission of a job id that is queued
+    after a preemption waits for the same queue entry.
+    """
+    import ray
+
+    actor = actor or scheduler()
+    if job_id not in ray.get(actor.jobs.remote()):  # else: queued again after a preemption
+        ray.get(actor.submit.remote(job_id, parallelism.model_dump(), priority, tenant, timeout_s))
+    while True:
+        st = ray.get(actor.poll.remote(job_id))
+        if st["state"] == "ready":
+            return Reservation(job_id, PlacementPlan.model_validate(st["plan"]), actor)
+        if st["state"] == "timed_out":
+            raise PlacementError(f"job {job_id!r} timed out waiting for its gang: {st['reason']}")
+        time.sleep(poll_s)

@@ -1,0 +1,409 @@
+"""The gang scheduler's core: an explicit state machine over jobs, with its policies passed in.
+
+No Ray here. A driver (the Ray actor, or the simulator) feeds events in — `submit`, `finish`,
+`node_down`, `node_up` — and calls `tick(now)`, which returns the decisions to carry out, in
+order: `Preempt` (release the job's placement group; it is back in the queue), `Start` (reserve
+`plan` as one placement group, all or nothing), `Timeout` (give up on the job; `reason` names the
+constraint that could not be met).
+
+Policies (see `Policy`): priority order, FIFO within a priority; all-or-nothing starts through
+planner.plan on the free capacity; preemption of lower-priority jobs when that lets the head of
+the queue start (fewest, lowest-priority victims); EASY backfill — a job may jump the blocked head
+only if it ends (by its duration estimate) before the head's reserved start, or uses none of the
+accelerators reserved for the head; without the estimates to compute that start nothing jumps
+(conservative); per-tenant quotas of running accelerators.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from raylib.placement.planner import (
+    Parallelism,
+    PlacementError,
+    PlacementPlan,
+    Traffic,
+    assign,
+    capacity,
+    check,
+    free_array,
+    plan,
+)
+from raylib.placement.topology import Topology
+
+
+class Policy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    placement: str = Field("topology", pattern="^(topology|pack)$")
+    """topology: the planner's search; pack: Ray's PACK order (no topology, no tp constraint)."""
+    priorities: bool = True
+    """Order the queue by priority (then submit time); False: by submit time only (FIFO)."""
+    preemption: bool = True
+    """Preempt lower-priority running jobs when that lets the head of the queue start."""
+    backfill: bool = True
+    """Let later jobs start while the head waits, if they do not delay it (EASY)."""
+    quotas: dict[str, int] = Field(default_factory=dict)
+    """Tenant -> most accelerators its running jobs may hold."""
+    default_quota: int | None = Field(None, ge=0)
+    """Quota of tenants not in `quotas` (None: unlimited)."""
+
+
+class State(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    TIMED_OUT = "timed_out"
+
+
+@dataclass(eq=False)
+class Job:
+    id: str
+    parallelism: Parallelism
+    tenant: str = "default"
+    priority: int = 0
+    submit_time: float = 0.0
+    timeout: float | None = None
+    """Seconds after submission after which a job still queued times out."""
+    duration_estimate: float | None = None
+    """Expected run time (seconds); lets backfill prove it does not delay the head."""
+    traffic: Traffic | None = None
+    state: State = State.QUEUED
+    plan: PlacementPlan | None = None
+    start_time: float | None = None
+    preemptions: int = 0
+    queued_at: float | None = None
+    """When the job last entered the queue (its timeout counts from there)."""
+    _seq: int = field(default=0, repr=False)
+
+    @property
+    def gpus(self) -> int:
+        return self.parallelism.world
+
+    def expected_end(self) -> float | None:
+        if self.start_time is None or self.duration_estimate is None:
+            return None
+        return self.start_time + self.duration_estimate
+
+
+@dataclass(frozen=True)
+class Start:
+    job: Job
+    plan: PlacementPlan
+
+
+@dataclass(frozen=True)
+class Preempt:
+    job: Job
+    reason: str
+
+
+@dataclass(frozen=True)
+class Timeout:
+    job: Job
+    reason: str
+
+
+Decision = Start | Preempt | Timeout
+
+
+class GangQueue:
+    """Jobs waiting for and holding accelerators of one topology; see the module docstring."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        policy: Policy | None = None,
+        traffic: Traffic | None = None,
+        on_preempt: Callable[[Job], None] | None = None,
+        plan_options: dict | None = None,
+    ):
+        """on_preempt(job) runs when a job is chosen as a victim, before its Preempt decision is
+        returned: the place to ask it to checkpoint. plan_options go to planner.plan."""
+        self.topology = topology
+        self.policy = policy or Policy()
+        self.traffic = traffic or Traffic()
+        self.on_preempt = on_preempt
+        self.plan_options = {"baseline": False, **(plan_options or {})}
+        self.free = free_array(topology)
+        self.down: set[str] = set()
+        self.jobs: dict[str, Job] = {}
+        self._queue: list[tuple[tuple, Job]] = []  # sorted by _key
+        self._running: dict[str, Job] = {}
+        self._tenant_use: dict[str, int] = {}
+        self._seq = itertools.count()
+        self._version = 0  # bumped whenever free capacity changes
+        self._fit_cache: dict[tuple, bool] = {}
+        self._resv_cache: tuple | None = None
+        self._use: dict[str, np.ndarray] = {}  # accelerators per global island of running jobs
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; raises PlacementError if it cannot fit even on the whole empty cluster."""
+        if job.id in self.jobs:
+            raise ValueError(f"job id {job.id!r} already submitted")
+        problem = self._unfit(job, self._all_up())
+        if problem:
+            raise PlacementError(f"job {job.id!r}: {problem}")
+        job._seq = next(self._seq)
+        self.jobs[job.id] = job
+        self._enqueue(job, job.submit_time)
+
+    def finish(self, job_id: str) -> None:
+        """A running job ended (done or failed): its accelerators are free again."""
+        job = self._running.pop(job_id, None)
+        if job is None:
+            raise KeyError(f"job {job_id!r} is not running")
+        self._release(job)
+        job.state = State.FINISHED
+
+    def node_down(self, node_id: str, now: float) -> list[Preempt]:
+        """A node left: its jobs lose their reservation and go back to the queue (their
+        on_preempt hook is not called: a job that lost a node restarts from its last
+        checkpoint)."""
+        pos = self.topology.node_position(node_id)
+        self.down.add(node_id)
+        out = []
+        for job in [j for j in self._running.values() if node_id in j.plan.usage()]:
+            del self._running[job.id]
+            self._release(job)
+            job.preemptions += 1
+            self._enqueue(job, now)
+            out.append(Preempt(job, f"node {node_id} is down"))
+        base = self.topology.index.island_base[pos]
+        self.free[base: base + len(self.topology.nodes[pos].islands)] = 0
+        self._version += 1
+        return out
+
+    def node_up(self, node_id: str) -> None:
+        """A node (back) with all its accelerators free."""
+        pos = self.topology.node_position(node_id)
+        self.down.discard(node_id)
+        base = self.topology.index.island_base[pos]
+        islands = self.topology.nodes[pos].islands
+        self.free[base: base + len(islands)] = islands
+        self._version += 1
+
+    # -- the scheduling step --------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Decision]:
+        out: list[Decision] = []
+        self._fit_cache.clear()
+        head: Job | None = None
+        reserved: np.ndarray | None = None  # accelerators free now that the head will need
+        shadow = None  # when the head is expected to start
+        for _, job in list(self._queue):
+            if self._over_quota(job):
+                continue
+            if head is None:
+                if self._try_start(job, now, self.free, out):
+                    continue
+                if self.policy.preemption and self._preempt_for(job, now, out):
+                    continue
+                head = job
+                if not self.policy.backfill:
+                    break
+                shadow, reserved = self._reservation(job, now)
+                bf_free, bf_version, free_total = self.free, -1, 0
+                if shadow is None:
+                    break  # the head's start cannot be estimated: backfill only if provably safe
+                continue
+            if bf_version != self._version:
+                bf_free, bf_version = np.clip(self.free - reserved, 0, None), self._version
+                free_total = int(self.free.sum())
+            if job.gpus > free_total:
+                if free_total == 0:
+                    break  # nothing left to backfill into
+                continue
+            end = now + job.duration_estimate if job.duration_estimate is not None else None
+            if end is not None and end <= shadow:
+                self._try_start(job, now, self.free, out)
+            else:  # must leave the head's reserved accelerators alone
+                self._try_start(job, now, bf_free, out)
+        for _, job in list(self._queue):
+            if job.timeout is not None and now - job.queued_at >= job.timeout:
+                reason = self.why_waiting(job)
+                self._dequeue(job)
+                job.state = State.TIMED_OUT
+                out.append(Timeout(job, reason))
+        return out
+
+    def why_waiting(self, job: Job) -> str:
+        """The first constraint that keeps a queued job from starting."""
+        problem = self._unfit(job, self._all_up())
+        if problem:
+            return f"cannot be placed even on the empty cluster: {problem}"
+        if self._over_quota(job):
+            return (f"tenant {job.tenant!r} quota: {self._tenant_use.get(job.tenant, 0)} of "
+                    f"{self._quota(job.tenant)} accelerators in use, the job needs {job.gpus}")
+        problem = self._unfit(job, self.free)
+        if problem:
+            return f"not enough free capacity: {problem}"
+        return "waiting behind higher-priority jobs (starting it would delay the head)"
+
+    # -- views ----------------------------------------------------------------------------------
+
+    @property
+    def queued(self) -> list[Job]:
+        return [j for _, j in self._queue]
+
+    @property
+    def running(self) -> list[Job]:
+        return list(self._running.values())
+
+    @property
+    def used_gpus(self) -> int:
+        return sum(j.gpus for j in self._running.values())
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _key(self, job: Job) -> tuple:
+        prio = -job.priority if self.policy.priorities else 0
+        return (prio, job.submit_time, job._seq)
+
+    def _enqueue(self, job: Job, now: float) -> None:
+        job.state, job.plan, job.start_time, job.queued_at = State.QUEUED, None, None, now
+        bisect.insort(self._queue, (self._key(job), job), key=lambda x: x[0])
+
+    def _dequeue(self, job: Job) -> None:
+        i = bisect.bisect_left(self._queue, self._key(job), key=lambda x: x[0])
+        assert self._queue[i][1] is job  # keys are unique (seq)
+        del self._queue[i]
+
+    def _all_up(self) -> np.ndarray:
+        full = np.array([s for n in self.topology.nodes for s in n.islands], dtype=np.int64)
+        for node_id in self.down:
+            pos = self.topology.node_position(node_id)
+            base = self.topology.index.island_base[pos]
+            full[base: base + len(self.topology.nodes[pos].islands)] = 0
+        return full
+
+    def _quota(self, tenant: str) -> int | None:
+        return self.policy.quotas.get(tenant, self.policy.default_quota)
+
+    def _over_quota(self, job: Job) -> bool:
+        quota = self._quota(job.tenant)
+        return quota is not None and self._tenant_use.get(job.tenant, 0) + job.gpus > quota
+
+    def _unfit(self, job: Job, free: np.ndarray) -> str | None:
+        """Why `job` does not fit on `free` under this policy's placement, or None."""
+        par = job.parallelism
+        if self.policy.placement == "pack":
+            have = int(free.sum())
+            return None if have >= par.world else \
+                f"{par} needs {par.world} free accelerators; {have} are free"
+        try:
+            check(self.topology, par, free)
+        except PlacementError as e:
+            return str(e)
+        return None
+
+    def _fits(self, job: Job, free: np.ndarray) -> bool:
+        par = job.parallelism
+        key = (free.tobytes(), par.dp * par.pp, par.tp, par.ranks_per_node)
+        hit = self._fit_cache.get(key)
+        if hit is None:
+            if self.policy.placement == "pack":
+                hit = int(free.sum()) >= par.world
+            else:
+                hit = par.tp <= self.topology.max_island and capacity(
+                    self.topology, par, free) >= par.dp * par.pp
+            self._fit_cache[key] = hit
+        return hit
+
+    def _plan(self, job: Job, free: np.ndarray) -> PlacementPlan:
+        return plan(self.topology, job.parallelism, free=free,
+                    traffic=job.traffic or self.traffic, strategy=self.policy.placement,
+                    **self.plan_options)
+
+    def _try_start(self, job: Job, now: float, free: np.ndarray, out: list[Decision]) -> bool:
+        if not self._fits(job, free):
+            return False
+        p = self._plan(job, free)
+        self._dequeue(job)
+        self._take(job, p)
+        job.state, job.plan, job.start_time = State.RUNNING, p, now
+        self._running[job.id] = job
+        self._tenant_use[job.tenant] = self._tenant_use.get(job.tenant, 0) + job.gpus
+        out.append(Start(job, p))
+        return True
+
+    def _usage_array(self, p: PlacementPlan) -> np.ndarray:
+        idx = self.topology.index
+        base = idx.island_base[[idx.node_pos[n] for n in p.rank_node]]
+        return np.bincount(base + np.array(p.rank_island), minlength=len(self.free))
+
+    def _take(self, job: Job, p: PlacementPlan) -> None:
+        self._use[job.id] = self._usage_array(p)
+        self.free -= self._use[job.id]
+        self._version += 1
+
+    def _release(self, job: Job) -> None:
+        use = self._use.pop(job.id)
+        use[self._all_up() == 0] = 0  # what was on a dead node does not come back
+        self.free += use
+        self._version += 1
+        self._tenant_use[job.tenant] -= job.gpus
+
+    def _preempt_for(self, job: Job, now: float, out: list[Decision]) -> bool:
+        """Preempt the fewest, lowest-priority running jobs that let `job` start."""
+        cands = sorted((j for j in self._running.values() if j.priority < job.priority),
+                       key=lambda j: (j.priority, -j.gpus, -(j.start_time or 0.0)))
+        free, victims = self.free.copy(), []
+        for v in cands:
+            if self._fits(job, free):
+                break
+            victims.append(v)
+            free += self._use[v.id]
+        if not victims or not self._fits(job, free):
+            return False
+        for v in sorted(victims, key=lambda j: -j.priority):  # drop the ones not needed
+            without = free - self._use[v.id]
+            if self._fits(job, without):
+                victims.remove(v)
+                free = without
+        for v in victims:
+            if self.on_preempt is not None:
+                self.on_preempt(v)
+            del self._running[v.id]
+            self._release(v)
+            v.preemptions += 1
+            self._enqueue(v, now)
+            out.append(Preempt(v, f"preempted by job {job.id!r} (priority {job.priority} > "
+                                  f"{v.priority})"))
+        started = self._try_start(job, now, self.free, out)
+        assert started, "victims were chosen so that the job fits"
+        return True
+
+    def _reservation(self, head: Job, now: float) -> tuple[float | None, np.ndarray | None]:
+        """When the head can start (running jobs ending by their estimates) and which of the
+        accelerators free now its plan at that time needs. Cached while nothing changes."""
+        key = (head.id, self._version)
+        if self._resv_cache is None or self._resv_cache[0] != key:
+            self._resv_cache = (key, self._compute_reservation(head, now))
+        shadow, reserved = self._resv_cache[1]
+        return (None if shadow is None else max(shadow, now)), reserved
+
+    def _compute_reservation(self, head: Job, now: float):
+        ends = sorted((e, j.id) for j in self._running.values()
+                      if (e := j.expected_end()) is not None)
+        if not ends:
+            return None, None
+        # free capacity after the first k jobs end, for every k; fitting is monotone in k
+        after = self.free + np.cumsum([self._use[job_id] for _, job_id in ends], axis=0)
+        k = bisect.bisect_left(range(len(ends)), True, key=lambda i: self._fits(head, after[i]))
+        if k == len(ends):
+            return None, None
+        released = after[k] - self.free
+        ranks = assign(self.topology, head.parallelism, after[k], head.traffic or self.traffic,
+                       self.policy.placement, time_budget_s=0.0)
+        need = np.bincount(ranks, minlength=len(self.free))
+        return ends[k][0], np.clip(need - released, 0, None)

@@ -1,0 +1,151 @@
+"""The gang scheduler on a real multi-raylet Ray cluster with labelled nodes and logical GPUs.
+
+`ray.cluster_utils.Cluster` starts one raylet per node in this machine; the GPUs are logical
+(Ray resources), which is all placement needs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+LEAVES = ["l0", "l0", "l1", "l1"]
+
+
+@pytest.fixture(scope="module")
+def labelled_cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    nodes = [cluster.add_node(num_cpus=4, num_gpus=4, labels={"leaf": leaf, "spine": "s0"})
+             for leaf in LEAVES]
+    ray.init(address=cluster.address)
+    cluster.wait_for_nodes()
+    yield cluster, nodes
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture
+def gang(labelled_cluster):
+    """A fresh scheduler actor per test (not the detached, cluster-wide one)."""
+    import ray
+
+    from raylib.placement.gang import GangSchedulerActor
+
+    actor = ray.remote(GangSchedulerActor).options(num_cpus=0, max_concurrency=32).remote()
+    yield actor
+    ray.get(actor.shutdown.remote())
+    ray.kill(actor)
+
+
+def wait_state(actor, job_id, state, deadline_s=90, where=lambda st: True):
+    import ray
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        st = ray.get(actor.poll.remote(job_id))
+        if st["state"] == state and where(st):
+            return st
+        time.sleep(0.1)
+    raise AssertionError(f"{job_id} never reached {state}: {st}")
+
+
+def live_groups():
+    import ray
+
+    return {k for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
+
+
+def test_bundles_land_where_the_plan_says(gang, labelled_cluster):
+    import ray
+    from ray.util.placement_group import get_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from raylib.placement.gang import reserve
+    from raylib.placement.planner import Parallelism
+
+    res = reserve("where", Parallelism(dp=2, tp=4), actor=gang, timeout_s=60)
+    # tp=4 groups each inside one node (an island of 4): two nodes, both on one leaf.
+    nodes = res.plan.nodes()
+    assert len(nodes) == 2
+    node_leaf = {n["NodeID"]: n["Labels"].get("leaf") for n in ray.nodes()}
+    assert node_leaf[nodes[0]] == node_leaf[nodes[1]], "a dp pair should share a leaf"
+
+    @ray.remote(num_gpus=1, num_cpus=0)
+    def where():
+        return ray.get_runtime_context().get_node_id()
+
+    pg = get_placement_group("raylib-gang-where")
+    seen = ray.get([
+        where.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=b)).remote()
+        for b in range(len(res.plan.bundles))
+    ])
+    assert seen == res.plan.rank_node, "each bundle must sit on the node the plan chose"
+    assert [s["ray.io/node-id"] for s in res.label_selectors()] == res.plan.rank_node
+    res.release()
+    assert ray.get(gang.placement_groups.remote()) == {}
+
+
+def test_priority_preemption_and_requeue(gang):
+    import ray
+
+    from raylib.placement.gang import reserve
+    from raylib.placement.planner import Parallelism
+
+    low = reserve("low", Parallelism(dp=4, tp=4), priority=0, actor=gang, timeout_s=60)
+    assert len(low.plan.nodes()) == 4
+    assert not low.preempt_requested()
+
+    ray.get(gang.submit.remote("high", {"dp": 2, "tp": 4}, 10))
+    high = wait_state(gang, "high", "ready")
+    assert len(high["plan"]["rank_node"]) == 8
+    # The low-priority job was told, lost its reservation and is back in the queue.
+    assert low.preempt_requested()
+    st = ray.get(gang.poll.remote("low"))
+    assert st["state"] == "queued" and st["preemptions"] == 1 and "preempted" in st["reason"]
+
+    ray.get(gang.release.remote("high"))
+    again = wait_state(gang, "low", "ready")
+    assert len(set(again["plan"]["rank_node"])) == 4, "the re-queued job later runs whole"
+
+
+def test_infeasible_and_timeout_are_clear_and_leak_nothing(gang):
+    import ray
+
+    from raylib.placement.gang import reserve
+    from raylib.placement.planner import Parallelism, PlacementError
+
+    before = live_groups()
+    with pytest.raises(PlacementError, match="tp=8"):
+        reserve("too-wide", Parallelism(tp=8), actor=gang)  # islands hold 4 GPUs
+    hold = reserve("hold", Parallelism(dp=3, tp=4), actor=gang, timeout_s=60)
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError, match="timed out"):
+        reserve("late", Parallelism(dp=2, tp=4), actor=gang, timeout_s=1.5)
+    assert time.monotonic() - t0 < 15
+    hold.release()
+    assert ray.get(gang.placement_groups.remote()) == {}
+    assert live_groups() == before, "no placement group may be left behind"
+
+
+def test_node_death_replans_the_reservation(gang, labelled_cluster):
+    import ray
+
+    from raylib.placement.gang import reserve
+    from raylib.placement.planner import Parallelism
+
+    cluster, nodes = labelled_cluster
+    res = reserve("survivor", Parallelism(tp=4), actor=gang, timeout_s=60)
+    victim_id = res.plan.rank_node[0]
+    victim = next(n for n in nodes if n.node_id == victim_id)
+    cluster.remove_node(victim)
+    # Ray notices the dead raylet; the scheduler re-plans the job onto a live node.
+    wait_state(gang, "survivor", "ready", where=lambda st: st["plan"]["rank_node"][0] != victim_id)
+    assert victim_id not in {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert ray.get(gang.preempt_requested.remote("survivor")), "the job is told to restart"

@@ -112,6 +112,32 @@ class ScalingSpec(_Section):
     cpus_per_worker: float = Field(1, gt=0)
 
 
+class PlacementSpec(_Section):
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel ranks per group (kept inside one NVLink island)."""
+    pp: int = Field(1, ge=1)
+    """Pipeline stages; data-parallel replicas dp = num_workers / (tp x pp)."""
+    ranks_per_node: int | None = Field(None, ge=1)
+    gang: bool = False
+    """Reserve the workers through the cluster's gang scheduler: topology-aware placement,
+    all-or-nothing, queued by priority, preemptible."""
+    priority: int = 0
+    tenant: str = "default"
+    timeout_s: float | None = Field(None, gt=0)
+    """Give up (with the constraint that could not be met) after waiting this long."""
+
+    def parallelism(self, world_size: int):
+        from raylib.placement.planner import Parallelism
+
+        if world_size % (self.tp * self.pp):
+            raise ValueError(
+                f"scaling.num_workers={world_size} is not divisible by placement.tp x placement.pp "
+                f"= {self.tp} x {self.pp}; use a multiple of {self.tp * self.pp} workers"
+            )
+        return Parallelism(dp=world_size // (self.tp * self.pp), pp=self.pp, tp=self.tp,
+                           ranks_per_node=self.ranks_per_node)
+
+
 class CheckpointSpec(_Section):
     interval_steps: int = Field(0, ge=0)
     """Save a DeepSpeed checkpoint every N optimizer steps (0: only at the end)."""
@@ -140,6 +166,7 @@ class JobSpec(_Section):
     data: DataSpec = Field(default_factory=DataSpec)
     strategy: StrategySpec = Field(default_factory=StrategySpec)
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     run: RunSpec = Field(default_factory=RunSpec)
 
@@ -156,6 +183,7 @@ class JobSpec(_Section):
         from raylib.train.strategy import resolve_ds_config
 
         resolve_ds_config(self)
+        self.placement.parallelism(self.world_size)
         return self
 
     # -- constructors ---------------------------------------------------------------------------

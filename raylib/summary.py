@@ -60,6 +60,8 @@ def summarize(spec, history: dict[str, Any], index, ds_config: dict[str, Any],
         "checkpoint_s": history["checkpoint_s"],
         "checkpoint_uri": checkpoint_uri,
         "param_digests_agree": len(set(history["param_digests"])) == 1,
+        "rank_nodes": history["rank_nodes"],
+        "planned_nodes": history.get("planned_nodes"),
         "wall_s": wall_s,
         "loss_curve": losses,
     }

@@ -176,15 +176,16 @@ def _first_bundle(status: dict[str, Any]) -> dict[str, float]:
     return status["plan"]["bundles"][0]
 
 
-def scheduler(policy: dict[str, Any] | None = None):
-    """The cluster's gang scheduler actor (created, detached, on first use)."""
+def scheduler(policy: dict[str, Any] | None = None, resource: str = "GPU"):
+    """The cluster's gang scheduler for `resource` (a named detached actor, created on first
+    use and shared by every job that asks for the same resource)."""
     import ray
 
     return (
         ray.remote(GangSchedulerActor)
-        .options(name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-                 num_cpus=0, max_concurrency=32)
-        .remote(policy)
+        .options(name=f"{ACTOR_NAME}-{resource.lower()}", namespace=NAMESPACE,
+                 lifetime="detached", get_if_exists=True, num_cpus=0, max_concurrency=32)
+        .remote(policy, resource)
     )
 
 

@@ -24,6 +24,7 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # one line per report otherwise
 
     import deepspeed
+    import ray
     import ray.train
     import torch
     import torch.distributed as dist
@@ -84,8 +85,9 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
     if losses:
         dist.all_reduce(curve)
         curve /= dist.get_world_size()
-    digests: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, _parameter_digest(engine, spec.strategy.zero_stage))
+    digests: list[tuple[str, str] | None] = [None] * dist.get_world_size()
+    node = ray.get_runtime_context().get_node_id()
+    dist.all_gather_object(digests, (_parameter_digest(engine, spec.strategy.zero_stage), node))
     if rank != 0:
         return None
     return {
@@ -96,7 +98,8 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
         "checkpoint_s": checkpoint_s,
         "loop_s": loop_s,
         "global_batch": global_batch,
-        "param_digests": digests,
+        "param_digests": [d for d, _ in digests],
+        "rank_nodes": [n for _, n in digests],
     }
 
 

@@ -50,41 +50,64 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True) -> Run
     (run_dir / "spec.yaml").write_text(spec.to_yaml())
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
 
+    reservation = _reserve(spec, on_gpu) if spec.placement.gang else None
     worker_spec = spec.model_copy(deep=True)
     worker_spec.strategy.deepspeed_config = ds_config  # workers need no access to the driver's files
-    with ProgressBar(spec.run.steps, enabled=progress) as bar:
-        trainer = TorchTrainer(
-            worker_loop,
-            train_loop_config={
-                "spec": worker_spec.model_dump(mode="json", exclude_unset=True),
-                "ds_config": ds_config,
-                "on_gpu": on_gpu,
-                "vocab_size": index.vocab_size,
-                "seq_len": index.seq_len,
-                "pad_id": index.special_ids["[PAD]"],
-            },
-            torch_config=TorchConfig(backend="nccl" if on_gpu else "gloo"),
-            scaling_config=ray.train.ScalingConfig(
-                num_workers=spec.world_size,
-                use_gpu=on_gpu,
-                resources_per_worker={"CPU": spec.scaling.cpus_per_worker, **({"GPU": 1} if on_gpu else {})},
-            ),
-            run_config=ray.train.RunConfig(
-                name=spec.name,
-                storage_path=str(run_dir.parent),
-                failure_config=ray.train.FailureConfig(max_failures=spec.run.max_failures),
-                checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.checkpoint.keep),
-                callbacks=[bar.callback],
-            ),
-            datasets={"train": training_dataset(spec, index)},
-        )
-        log.info("training %r on %d worker(s) (%s, ZeRO-%d)", spec.name, spec.world_size,
-                 "GPU/NCCL" if on_gpu else "CPU/gloo", spec.strategy.zero_stage)
-        result = trainer.fit()
-    history = result.return_value
+    try:
+        with ProgressBar(spec.run.steps, enabled=progress) as bar:
+            trainer = TorchTrainer(
+                worker_loop,
+                train_loop_config={
+                    "spec": worker_spec.model_dump(mode="json", exclude_unset=True),
+                    "ds_config": ds_config,
+                    "on_gpu": on_gpu,
+                    "vocab_size": index.vocab_size,
+                    "seq_len": index.seq_len,
+                    "pad_id": index.special_ids["[PAD]"],
+                },
+                torch_config=TorchConfig(backend="nccl" if on_gpu else "gloo"),
+                scaling_config=ray.train.ScalingConfig(
+                    num_workers=spec.world_size,
+                    use_gpu=on_gpu,
+                    resources_per_worker={"CPU": spec.scaling.cpus_per_worker,
+                                          **({"GPU": 1} if on_gpu else {})},
+                    label_selector=reservation.label_selectors() if reservation else None,
+                ),
+                run_config=ray.train.RunConfig(
+                    name=spec.name,
+                    storage_path=str(run_dir.parent),
+                    failure_config=ray.train.FailureConfig(max_failures=spec.run.max_failures),
+                    checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.checkpoint.keep),
+                    callbacks=[bar.callback],
+                ),
+                datasets={"train": training_dataset(spec, index)},
+            )
+            log.info("training %r on %d worker(s) (%s, ZeRO-%d)", spec.name, spec.world_size,
+                     "GPU/NCCL" if on_gpu else "CPU/gloo", spec.strategy.zero_stage)
+            if reservation:
+                reservation.handoff()  # its accelerators go to the workers created now
+            result = trainer.fit()
+    finally:
+        if reservation:
+            reservation.release()
+    history = {**result.return_value,
+               "planned_nodes": reservation.plan.rank_node if reservation else None}
     checkpoint_uri = result.checkpoint.path if result.checkpoint else None
     return summarize(spec, history, index, ds_config, checkpoint_uri,
                      wall_s=time.perf_counter() - wall0, run_dir=run_dir)
+
+
+def _reserve(spec: JobSpec, on_gpu: bool):
+    """Wait for the job's gang: topology-aware, all or nothing, in priority order."""
+    import uuid
+
+    from raylib.placement import gang
+
+    p = spec.placement
+    actor = gang.scheduler(resource="GPU" if on_gpu else "CPU")
+    log.info("waiting for a gang of %d workers (priority %d)", spec.world_size, p.priority)
+    return gang.reserve(f"{spec.name}-{uuid.uuid4().hex[:8]}", p.parallelism(spec.world_size),
+                        priority=p.priority, tenant=p.tenant, timeout_s=p.timeout_s, actor=actor)
 
 
 def _check_data_fits(spec: JobSpec, index) -> None:

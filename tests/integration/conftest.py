@@ -2,14 +2,34 @@ from __future__ import annotations
 
 import pytest
 
+_CONNECTED = {"to": None}  # which cluster this test process's driver is connected to
 
-@pytest.fixture(scope="session")
+
+def connect_driver(to: str, init) -> None:
+    """Tests use different Ray clusters (embedded, multi-raylet); one driver connection at a time."""
+    import ray
+
+    if _CONNECTED["to"] != to or not ray.is_initialized():
+        ray.shutdown()
+        init()
+        _CONNECTED["to"] = to
+
+
+@pytest.fixture
 def ray_local():
-    """A real embedded Ray cluster (4 logical CPUs: 2 training workers + Ray Data)."""
+    """A real embedded Ray cluster (4 logical CPUs: 2 training workers + Ray Data), shared by
+    consecutive tests."""
     import ray
 
     from raylib import runtime
 
-    resources = runtime.connect(num_cpus_needed=2)
-    yield resources
+    connect_driver("embedded", lambda: runtime.connect(num_cpus_needed=2))
+    return ray.cluster_resources()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _disconnect_at_end():
+    yield
+    import ray
+
     ray.shutdown()

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from tests.integration.conftest import connect_driver
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 LEAVES = ["l0", "l0", "l1", "l1"]
@@ -23,7 +25,7 @@ def labelled_cluster():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     nodes = [cluster.add_node(num_cpus=4, num_gpus=4, labels={"leaf": leaf, "spine": "s0"})
              for leaf in LEAVES]
-    ray.init(address=cluster.address)
+    connect_driver(f"cluster:{cluster.address}", lambda: ray.init(address=cluster.address))
     cluster.wait_for_nodes()
     yield cluster, nodes
     ray.shutdown()
@@ -132,6 +134,33 @@ def test_infeasible_and_timeout_are_clear_and_leak_nothing(gang):
     hold.release()
     assert ray.get(gang.placement_groups.remote()) == {}
     assert live_groups() == before, "no placement group may be left behind"
+
+
+def test_deepspeed_run_placed_through_the_gang_scheduler(labelled_cluster, tiny_dataset, tmp_path):
+    import ray
+
+    from raylib import JobSpec
+    from raylib.train.trainer import run
+
+    spec = JobSpec.from_dict({
+        "name": "gang-run",
+        "model": {"preset": "bert-tiny", "overrides": {"num_hidden_layers": 1}},
+        "data": {"path": tiny_dataset, "manifest": None},
+        "strategy": {"zero_stage": 1, "micro_batch_size": 8},
+        "scaling": {"num_workers": 2, "use_gpu": False},
+        "placement": {"gang": True, "timeout_s": 120},
+        "run": {"steps": 3, "log_every": 1, "output_dir": str(tmp_path)},
+    })
+    s = run(spec, progress=False).summary
+    assert s["steps"] == 3 and s["param_digests_agree"]
+    # The workers ran exactly on the nodes the gang scheduler planned, rank by rank.
+    assert s["rank_nodes"] == s["planned_nodes"]
+    labelled = {n["NodeID"] for n in ray.nodes() if n["Labels"].get("leaf")}
+    assert set(s["planned_nodes"]) <= labelled
+    # The reservation was released: the cluster-wide scheduler holds nothing for the job.
+    gang = ray.get_actor("raylib-gang-scheduler-cpu", namespace="raylib")
+    assert all(st["state"] == "released" for st in ray.get(gang.jobs.remote()).values())
+    ray.kill(gang)
 
 
 def test_node_death_replans_the_reservation(gang, labelled_cluster):

@@ -6,10 +6,24 @@ __version__ = "0.1.0"
 
 
 def run(spec: JobSpec, address: str | None = None, progress: bool = True):
-    """Run a training job; returns a RunResult (summary dict + run directory)."""
+    """Run a training job; returns a RunResult (summary dict + run directory).
+
+    Ctrl-C (or a Jupyter kernel interrupt) aborts the run: its workers stop, its placement group
+    is released, and KeyboardInterrupt is raised; the Ray connection stays up for the next run.
+    """
+    from raylib.runtime import interruptible_run
     from raylib.train.trainer import run as _run
 
-    return _run(spec, address=address, progress=progress)
+    with interruptible_run():
+        return _run(spec, address=address, progress=progress)
 
 
-__all__ = ["JobSpec", "SpecError", "run", "__version__"]
+def connect(address: str | None = None, log_to_driver: bool = True) -> dict:
+    """Connect to Ray (an embedded local cluster unless `address` / RAY_ADDRESS names one) and
+    return its resources. Calling it again reuses the connection; `raylib.run` connects too."""
+    from raylib.runtime import connect as _connect
+
+    return _connect(address, num_cpus_needed=2, log_to_driver=log_to_driver)
+
+
+__all__ = ["JobSpec", "SpecError", "connect", "run", "__version__"]

@@ -23,6 +23,14 @@ def main(argv: list[str] | None = None) -> int:
                        help="print the resolved spec and DeepSpeed JSON, start nothing")
     p_run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    p_plan = sub.add_parser("plan", help="explain the topology-aware placement of a job")
+    p_plan.add_argument("config", help="path to a JobSpec YAML")
+    p_plan.add_argument("--topology", help="topology YAML (deployment/topologies/); default: the "
+                        "connected Ray cluster's node labels")
+    p_plan.add_argument("--address", help="Ray cluster whose labels give the topology")
+    p_plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p_plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+
     p_data = sub.add_parser("data", help="dataset tools")
     data_sub = p_data.add_subparsers(dest="data_command", required=True)
     p_build = data_sub.add_parser("build", help="generate, tokenize and shard a dataset")
@@ -30,11 +38,24 @@ def main(argv: list[str] | None = None) -> int:
     p_build.add_argument("--out", required=True, help="fsspec URL to write to (dir or s3://...)")
     p_build.add_argument("--force", action="store_true", help="rebuild even if already built")
 
+    from raylib import doctor, submit  # light modules: Ray and friends are imported when used
+
+    submit.add_arguments(sub.add_parser("submit", help="run a JobSpec on a Ray cluster as a Ray job "
+                                        "(Ray Jobs API): stream its logs, print its summary"))
+    doctor.add_arguments(sub.add_parser("doctor", help="check this environment: Ray, versions, "
+                                        "GPUs, S3, tier dirs, topology labels"))
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "plan":
+            return _plan(args)
+        if args.command == "submit":
+            return submit.main(args)
+        if args.command == "doctor":
+            return doctor.main(args)
         return _data_build(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"raylib: error: {e}", file=sys.stderr)
@@ -60,6 +81,28 @@ def _run(args) -> int:
     result = run(spec, address=args.address, progress=not args.no_progress)
     print(result.table())
     print(f"summary: {result.run_dir / 'summary.json'}")
+    return 0
+
+
+def _plan(args) -> int:
+    from raylib.placement.planner import plan
+    from raylib.placement.topology import Topology
+    from raylib.spec import JobSpec
+
+    with contextlib.redirect_stdout(sys.stderr):
+        spec = JobSpec.from_yaml(args.config, overrides=args.overrides)
+    if args.topology:
+        topology = Topology.from_yaml(args.topology)
+    else:
+        import ray
+
+        from raylib import runtime
+
+        runtime.connect(args.address)
+        topology = Topology.from_ray_nodes(ray.nodes())
+    p = plan(topology, spec.placement.parallelism(spec.world_size),
+             cpus_per_rank=spec.scaling.cpus_per_worker)
+    print(json.dumps(p.to_dict(), indent=2) if args.json else p.explain())
     return 0
 
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -23,8 +28,10 @@ def connect(
 ) -> dict[str, Any]:
     """Connect (or reuse the connection) and return the cluster's total resources.
 
-    address: None -> RAY_ADDRESS if set, else start an embedded local cluster;
-    "auto" or "ray://..." or "host:port" -> join that cluster.
+    address: None -> RAY_ADDRESS if set, else start an embedded local cluster (a new one, never
+    one found through /tmp/ray/ray_current_cluster); "auto" or "ray://..." or "host:port" -> join
+    that cluster. log_to_driver=False keeps the workers' logs out of this process (notebooks: a
+    progress bar instead of a wall of logs; the logs stay in the Ray session's log files).
     """
     import ray
 
@@ -43,14 +50,63 @@ def connect(
     else:
         num_cpus = max(os.cpu_count() or 1, int(num_cpus_needed + 0.999) + DATA_CPU_HEADROOM)
         log.info("starting an embedded local Ray cluster (%d logical CPUs)", num_cpus)
-        ray.init(
-            num_cpus=num_cpus,
-            include_dashboard=True,  # Train V2 cleans up placement groups via the State API
-            dashboard_port=None,
-            object_store_memory=object_store_memory,
-            **kwargs,
-        )
+        # Ray's State API (which Train V2's placement-group cleaner asks whether the run's
+        # controller is alive) finds "the" local cluster through /tmp/ray or ps when given no
+        # address: with several clusters on this host it can ask the wrong one, see the
+        # controller missing, and remove a live run's placement group. Pin it to this cluster
+        # in every worker of the job. (Not in this process's environment: Ray's job client lets
+        # RAY_API_SERVER_ADDRESS override the address it is given.)
+        port = _free_port()
+        api_server = f"http://127.0.0.1:{port}"
+        kwargs["runtime_env"] = {
+            "worker_process_setup_hook": "raylib.runtime.restore_sigint",
+            **(runtime_env or {}),
+            "env_vars": {"RAY_API_SERVER_ADDRESS": api_server,
+                         **(runtime_env or {}).get("env_vars", {})},
+        }
+        with _daemons_ignore_sigint():
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=True,  # Train V2 cleans up placement groups via the State API
+                dashboard_host="127.0.0.1",
+                dashboard_port=port,
+                object_store_memory=object_store_memory,
+                **kwargs,
+            )
     return ray.cluster_resources()
+
+
+@contextlib.contextmanager
+def _daemons_ignore_sigint() -> Iterator[None]:
+    """Start the embedded cluster's processes with SIGINT ignored (inherited through exec).
+
+    Ctrl-C in a terminal and a Jupyter kernel interrupt signal the whole process group, and the
+    embedded cluster's dashboard (and its module processes) would die of the KeyboardInterrupt:
+    the next run in the same kernel would find no State API / job server. Worker processes get
+    Python's default handler back from restore_sigint (ray.cancel relies on it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def restore_sigint() -> None:
+    """worker_process_setup_hook of the embedded cluster's jobs (see _daemons_ignore_sigint)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def disconnect() -> None:
@@ -58,3 +114,90 @@ def disconnect() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+# -- Ctrl-C / kernel interrupt -------------------------------------------------------------------
+
+ABORT_TIMEOUT_S = 60.0
+
+
+@contextlib.contextmanager
+def interruptible_run() -> Iterator[None]:
+    """Make Ctrl-C (a Jupyter kernel interrupt is the same SIGINT) stop a Ray Train run cleanly.
+
+    Ray Train V2's TorchTrainer.fit, called in the main thread, installs its own SIGINT handler:
+    it aborts the run's controller (which shuts the worker group down and removes its placement
+    group), then calls sys.exit(0), and it stays installed after fit returns (a later Ctrl-C in
+    the same kernel would abort a dead controller and exit again). Inside this block fit gets
+    a handler that aborts the controller the same way and then raises KeyboardInterrupt; on the
+    way out the previous handler comes back and any worker-group placement group this job
+    created during the block and still holds is removed (named ones, such as the gang
+    scheduler's raylib-gang-*, are released by their owners). A second Ctrl-C while aborting
+    stops waiting.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # fit registers no handler off the main thread (Tune trials)
+        return
+    import ray
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    previous = signal.getsignal(signal.SIGINT)
+    before = set(ray.util.placement_group_table()) if ray.is_initialized() else set()
+    interrupted = threading.Event()
+    original = DataParallelTrainer.__dict__.get("_register_sigint_handler")
+
+    def register(trainer, controller) -> None:
+        def on_sigint(signum, frame):
+            if interrupted.is_set():
+                raise KeyboardInterrupt
+            interrupted.set()
+            log.warning("interrupted: aborting the training run (its workers and placement group)")
+            try:
+                ray.get(controller.abort.remote(), timeout=ABORT_TIMEOUT_S)
+            except Exception:  # abort() ends the controller actor: its caller sees it die
+                pass
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, on_sigint)
+
+    if original is not None:
+        DataParallelTrainer._register_sigint_handler = register
+    try:
+        yield
+    except KeyboardInterrupt:
+        interrupted.set()
+        raise
+    finally:
+        if original is not None:
+            DataParallelTrainer._register_sigint_handler = original
+        signal.signal(signal.SIGINT, previous)
+        if interrupted.is_set() and ray.is_initialized():
+            release_placement_groups(exclude=before)
+
+
+def release_placement_groups(exclude: set[str] = frozenset(), timeout_s: float = 30.0) -> list[str]:
+    """Remove the unnamed placement groups (Ray Train's worker groups) this driver's job still
+    holds (their ids end with the job id), except `exclude`; wait until the GCS reports them
+    REMOVED. Returns the ids removed."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    job = ray.get_runtime_context().get_job_id()
+
+    def held() -> list[str]:
+        return [pg_id for pg_id, pg in ray.util.placement_group_table().items()
+                if pg_id.endswith(job) and pg_id not in exclude and not pg.get("name")
+                and pg["state"] != "REMOVED"]
+
+    deadline = time.monotonic() + timeout_s
+    removed: list[str] = []
+    while (left := held()) and time.monotonic() < deadline:
+        for pg_id in left:
+            if pg_id not in removed:
+                try:
+                    remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+                except Exception as e:  # already being removed by the aborted controller
+                    log.debug("removing placement group %s: %s", pg_id, e)
+                removed.append(pg_id)
+        time.sleep(0.2)
+    return removed

@@ -76,9 +76,14 @@ def _run(args) -> int:
         print("# effective DeepSpeed config (CPU; on GPU the optimizer drops torch_adam)")
         print(json.dumps(ds_config, indent=2))
         return 0
-    from raylib.train.trainer import run
+    import raylib
 
-    result = run(spec, address=args.address, progress=not args.no_progress)
+    try:
+        result = raylib.run(spec, address=args.address, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print("raylib: interrupted; the run's workers were stopped and its resources released",
+              file=sys.stderr)
+        return 130
     print(result.table())
     print(f"summary: {result.run_dir / 'summary.json'}")
     return 0

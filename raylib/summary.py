@@ -73,18 +73,18 @@ def summarize(spec, history: dict[str, Any], index, ds_config: dict[str, Any],
 
 
 def plot_loss(losses: list[float], start_step: int, path: Path, title: str) -> None:
-    import matplotlib
+    # A bare Figure (no pyplot): no global backend switch inside a user's notebook kernel.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = Figure(figsize=(6, 3.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     ax.plot(range(start_step + 1, start_step + len(losses) + 1), losses)
     ax.set(xlabel="optimizer step", ylabel="masked-LM loss (mean over ranks)", title=title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def _fmt(v: Any) -> str:

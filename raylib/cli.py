@@ -31,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p_plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
+    p_storage = sub.add_parser("storage", help="storage tools")
+    storage_sub = p_storage.add_subparsers(dest="storage_command", required=True)
+    storage_sub.add_parser("serve", add_help=False,
+                           help="run an embedded SeaweedFS S3 server on loopback (cold tier)")
+
     p_data = sub.add_parser("data", help="dataset tools")
     data_sub = p_data.add_subparsers(dest="data_command", required=True)
     p_build = data_sub.add_parser("build", help="generate, tokenize and shard a dataset")
@@ -45,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_arguments(sub.add_parser("doctor", help="check this environment: Ray, versions, "
                                         "GPUs, S3, tier dirs, topology labels"))
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["storage", "serve"]:  # its own flags: raylib.data.s3server.main
+        from raylib.data.s3server import main as serve
+
+        return serve(argv[2:])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.s3_fixture"]  # a SeaweedFS S3 server per test session, on free ports
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -1,0 +1,759 @@
+"""Tiered shard storage: hot <- warm <- cold, whole shards, safe for many processes on one node.
+
+The tiers are ordered fastest first. Every tier but the last is a *cache tier*: a local directory
+(RAM disk such as /dev/shm, NVMe, local disk) with a capacity in bytes. The last tier is the
+*origin* (cold): any fsspec URL (s3://bucket/prefix, a local dir ...) that holds every shard of a
+built dataset; it is only ever read.
+
+Layout of a cache tier directory D:
+
+    D/<shard path>                            ready copies, verified against index.json's sha256
+    D/<shard path>.partial-<pid>-<hex>        a copy being written; renamed into place when whole
+    D/.raylib-tier/ledger.json                {shard: {bytes, sha256, state, pid, last_use, pins}}
+    D/.raylib-tier/lock                       flock(2)ed for every change to D
+
+Rules that hold across processes and threads:
+
+* Capacity: the ledger counts ready copies and copies being written; space is reserved (evicting
+  first) before a byte is written, so the bytes in D never exceed the capacity. A shard larger
+  than a tier is refused when the store is built.
+* Atomicity: a copy is written to a temporary name in the same directory and renamed into place
+  only after its size and sha256 match index.json; a reader only ever gets the path of a ready
+  copy, so nothing half-written or corrupt is served. A mismatch removes the copy (and a corrupt
+  source copy in a cache tier) and raises `ChecksumError` naming the shard and the tier.
+* Pins: a pinned copy (a reader is on it, or a prefetcher loaded it for an upcoming read) is never
+  evicted. Pins and reservations of processes that died are dropped the next time the tier is
+  locked (the pid no longer exists), together with their partial files.
+* Eviction removes the name; a reader that already opened the file keeps reading it (POSIX).
+* The tiers are caches: copies are not fsynced. A process crash leaves nothing wrong behind; after
+  a machine crash (power loss), wipe the cache tier directories. A pid reused by a new process
+  may keep a dead process's pin alive until that process exits (only delays an eviction).
+* Locking is flock(2): Linux/POSIX, node-local directories (not NFS).
+
+The store does not decide *what* to evict beyond a default (least recently used): callers pass
+the victims (the planner's Belady choice) and an ordering for anything else.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import threading
+import time
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from raylib.data.build import parse_size
+
+META_DIR = ".raylib-tier"
+LEDGER = "ledger.json"
+LOCK = "lock"
+_CHUNK = 4 * 1024 * 1024
+
+
+class StoreError(Exception):
+    """Base of the tiered store's errors."""
+
+
+class ChecksumError(StoreError):
+    """A copy of `shard` read from `tier` does not match index.json; the copy was removed."""
+
+    def __init__(self, shard: str, tier: str, url: str, expected: str, actual: str, size: int,
+                 expected_size: int):
+        self.shard, self.tier, self.url = shard, tier, url
+        self.expected, self.actual = expected, actual
+        what = (f"sha256 {actual[:12]}... instead of {expected[:12]}..." if size == expected_size
+                else f"{size if size <= expected_size else f'more than {expected_size}'} bytes "
+                     f"instead of {expected_size}")
+        super().__init__(
+            f"shard {shard!r} from tier {tier!r} ({url}) is corrupt: {what}; the corrupt copy was "
+            "removed and never served. Rebuild the dataset or restore the object, or run the "
+            "prefetcher with skip_corrupt=True to skip it."
+        )
+
+
+class ShardMissing(StoreError, FileNotFoundError):
+    """`shard` is listed in index.json but `tier` (the origin) does not have it."""
+
+    def __init__(self, shard: str, tier: str, url: str):
+        self.shard, self.tier, self.url = shard, tier, url
+        super().__init__(f"shard {shard!r} is listed in index.json but missing from tier {tier!r} ({url})")
+
+
+class TransferError(StoreError):
+    """Reading `shard` from tier `source` (or writing it into `dest`) failed; `cause` says why."""
+
+    def __init__(self, shard: str, source: str, dest: str, cause: BaseException):
+        self.shard, self.source, self.dest, self.cause = shard, source, dest, cause
+        super().__init__(f"copying shard {shard!r} from tier {source!r} into tier {dest!r} failed: "
+                         f"{type(cause).__name__}: {cause}")
+
+
+class TierFull(StoreError):
+    """No room in `tier` for `shard`: everything left there is pinned or being written."""
+
+    def __init__(self, shard: str, tier: str, need: int, used: int, capacity: int, stuck: int):
+        self.shard, self.tier = shard, tier
+        super().__init__(
+            f"tier {tier!r} has no room for shard {shard!r} ({need} bytes): {used} of {capacity} "
+            f"bytes in use, {stuck} of them pinned by readers or being written"
+        )
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What index.json says about one shard."""
+
+    name: str
+    """Path relative to the dataset root (index.json's `path`)."""
+    bytes: int
+    sha256: str
+    rows: int = 0
+
+
+def shards_from_index(index: Any) -> dict[str, ShardInfo]:
+    """{name: ShardInfo} from a `raylib.data.build.DatasetIndex` or a parsed index.json dict."""
+    shards = index["shards"] if isinstance(index, Mapping) else index.shards
+    return {s["path"]: ShardInfo(s["path"], int(s["bytes"]), s["sha256"], int(s.get("rows", 0)))
+            for s in shards}
+
+
+def _size(v: Any, what: str) -> Any:
+    if isinstance(v, str):
+        text = v.strip()
+        if what == "bandwidth":
+            text = text.removesuffix("/s").removesuffix("ps")
+        return parse_size(text)
+    return v
+
+
+class TierSpec(BaseModel):
+    """One storage tier. Cache tiers first (fastest first), the origin (cold) tier last."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    """Short unique name used in metrics and errors: hot, warm, cold."""
+    url: str
+    """Cache tiers: a local directory (/dev/shm/x, /nvme/x, file:///x). The last tier: any fsspec
+    URL holding the built dataset (s3://bucket/prefix, a local directory ...)."""
+    capacity: int | None = Field(None, gt=0)
+    """Bytes a cache tier may hold ('512MB' accepted). Must be left out for the last tier."""
+    bandwidth: float | None = Field(None, gt=0)
+    """Bytes/s read from this tier ('200MB' or '200MB/s' accepted); None: measured from the
+    transfers. Used to plan how far ahead to prefetch."""
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
+    """fsspec options for the URL, e.g. raylib.data.s3server.s3_storage_options(endpoint)."""
+
+    @field_validator("capacity", mode="before")
+    @classmethod
+    def _capacity(cls, v: Any) -> Any:
+        return _size(v, "capacity")
+
+    @field_validator("bandwidth", mode="before")
+    @classmethod
+    def _bandwidth(cls, v: Any) -> Any:
+        return _size(v, "bandwidth")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a promotion left a shard."""
+
+    path: str
+    """Local path of the ready copy."""
+    tier: str
+    source: str | None
+    """Tier it was copied from; None when it was already there."""
+    bytes: int
+    """Bytes copied (0 when it was already there)."""
+    seconds: float = 0.0
+
+
+class _TierLock:
+    """One tier's lock: an RLock for the threads of this process, and flock(2) on the tier's
+    lock file for the processes of the node. The file is opened once per process (and again
+    after a fork: a forked child must not share its parent's open file, or their flocks would be
+    one). No I/O but bookkeeping happens under it, so waits are short."""
+
+    _all: weakref.WeakSet[_TierLock] = weakref.WeakSet()
+
+    def __init__(self, path: str):
+        self.path = path
+        self._reset()
+        _TierLock._all.add(self)
+
+    def _reset(self) -> None:
+        self._thread = threading.RLock()
+        self._fd: int | None = None
+        self._pid = -1
+        self._depth = 0
+
+    @contextmanager
+    def hold(self, timeout: float, what: str) -> Iterator[None]:
+        if not self._thread.acquire(timeout=timeout):
+            raise TimeoutError(f"tier {what!r}: lock not acquired within {timeout}s")
+        try:
+            if self._depth == 0:
+                self._flock(timeout, what)
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._thread.release()
+
+    def _flock(self, timeout: float, what: str) -> None:
+        if self._fd is None or self._pid != os.getpid():
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._pid = os.getpid()
+        deadline, delay = time.monotonic() + timeout, 0.0005
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"tier {what!r}: {self.path} held by another process for more "
+                                       f"than {timeout}s") from None
+                time.sleep(delay)  # another process is updating the ledger: a few ms at most
+                delay = min(delay * 2, 0.01)
+
+    @classmethod
+    def _after_fork(cls) -> None:
+        for lock in list(cls._all):
+            lock._reset()  # the parent's threads and file do not exist here
+
+
+os.register_at_fork(after_in_child=_TierLock._after_fork)
+
+
+class _Tier:
+    def __init__(self, index: int, spec: TierSpec, origin: bool):
+        self.index, self.spec, self.name, self.origin = index, spec, spec.name, origin
+        self.fs, root = fsspec.core.url_to_fs(spec.url, **spec.storage_options)
+        self.root = root.rstrip("/") or "/"
+        if not origin:
+            self.root = os.path.abspath(self.root)
+            self.meta = os.path.join(self.root, META_DIR)
+            os.makedirs(self.meta, exist_ok=True)
+            self.ledger_path = os.path.join(self.meta, LEDGER)
+            self.lock = _TierLock(os.path.join(self.meta, LOCK))
+
+    def path(self, shard: str) -> str:
+        return os.path.join(self.root, shard) if not self.origin else f"{self.root.rstrip('/')}/{shard}"
+
+    def url(self, shard: str) -> str:
+        """The shard's location as configured (protocol included), for messages."""
+        return f"{self.spec.url.rstrip('/')}/{shard}" if self.origin else self.path(shard)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unlink(path: str | None) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+class TieredStore:
+    """Shards of one dataset over ordered tiers. See the module docstring for the rules.
+
+    `shards`: {name: ShardInfo} (e.g. `shards_from_index(read_index(url))`) or ShardInfos.
+    `lock_timeout`: seconds a call waits for a tier lock, for room in a tier, or for another
+    process's copy of the same shard, before raising.
+    """
+
+    def __init__(self, tiers: Sequence[TierSpec | Mapping[str, Any]],
+                 shards: Mapping[str, ShardInfo] | Iterable[ShardInfo], *, lock_timeout: float = 120.0):
+        specs = [t if isinstance(t, TierSpec) else TierSpec.model_validate(t) for t in tiers]
+        self.shards: dict[str, ShardInfo] = (
+            dict(shards) if isinstance(shards, Mapping) else {s.name: s for s in shards})
+        for name in self.shards:
+            _check_name(name)
+        self._validate(specs)
+        self.lock_timeout = lock_timeout
+        self.specs = specs
+        self._tiers = [_Tier(i, s, origin=i == len(specs) - 1) for i, s in enumerate(specs)]
+        self._by_name = {t.name: t for t in self._tiers}
+        roots = [t.root for t in self._tiers[:-1]]
+        if len(set(roots)) != len(roots):
+            raise ValueError(f"cache tiers must use different directories, got {roots}")
+        self._events: dict[tuple[str, str], threading.Event] = {}
+        self._events_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._hits: Counter[str] = Counter()
+        self._misses = 0
+        self._moved: Counter[str] = Counter()
+        self._transfers: Counter[str] = Counter()
+        self._seconds: Counter[str] = Counter()
+        self._evictions: Counter[str] = Counter()
+        self._corrupt: Counter[str] = Counter()
+        self._bandwidth: dict[str, float] = {}
+
+    # ----------------------------------------------------------------------------- validation
+    def _validate(self, specs: list[TierSpec]) -> None:
+        if len(specs) < 2:
+            raise ValueError("tiers: give at least one cache tier (hot) and the origin tier (cold) last, "
+                             "e.g. [{name: hot, url: /dev/shm/raylib, capacity: 1GB}, "
+                             "{name: cold, url: s3://bucket/dataset}]")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tiers: names must be unique, got {names}")
+        largest = max(self.shards.values(), key=lambda s: s.bytes, default=None)
+        for i, s in enumerate(specs):
+            where = f"tiers[{i}] ({s.name!r})"
+            if i == len(specs) - 1:
+                if s.capacity is not None:
+                    raise ValueError(f"{where}.capacity: the last tier is the origin, which holds every "
+                                     "shard; remove its capacity")
+                continue
+            proto = fsspec.core.split_protocol(s.url)[0]
+            if proto not in (None, "file", "local"):
+                raise ValueError(f"{where}.url {s.url!r}: a cache tier must be a local directory "
+                                 "(only the last tier may be remote)")
+            if s.capacity is None:
+                raise ValueError(f"{where}.capacity missing: give the bytes it may hold, e.g. '512MB'")
+            if largest is not None and s.capacity < largest.bytes:
+                raise ValueError(
+                    f"{where}.capacity {s.capacity} bytes is smaller than shard {largest.name!r} "
+                    f"({largest.bytes} bytes); raise it to at least {largest.bytes} bytes (a few "
+                    "shards' worth, to prefetch ahead) or build smaller shards")
+
+    # ------------------------------------------------------------------------------ queries
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self._tiers]
+
+    @property
+    def origin(self) -> str:
+        return self._tiers[-1].name
+
+    def spec(self, tier: str) -> TierSpec:
+        return self._tier(tier).spec
+
+    def path(self, name: str, tier: str) -> str:
+        """Where `name` lives (or would live) in `tier` (for the origin: the fsspec path)."""
+        _check_name(name)
+        return self._tier(tier).path(name)
+
+    def url(self, name: str, tier: str) -> str:
+        """Like `path`, but the origin's with its protocol (s3://...): for messages."""
+        _check_name(name)
+        return self._tier(tier).url(name)
+
+    def locate(self, name: str) -> str:
+        """The fastest tier holding a ready copy of `name` (the origin when no cache tier does)."""
+        self._info(name)
+        for t in self._tiers[:-1]:
+            e = self._peek(t).get(name)
+            if self._ready(name, e) and os.path.exists(t.path(name)):
+                return t.name
+        return self.origin
+
+    def resident(self, tier: str) -> dict[str, int]:
+        """{shard: bytes} of the ready copies in cache tier `tier`."""
+        t = self._cache(tier)
+        return {n: e["bytes"] for n, e in self._peek(t).items() if self._ready(n, e)}
+
+    def used(self, tier: str) -> int:
+        """Bytes of cache tier `tier` taken by ready copies and copies being written."""
+        return sum(e["bytes"] for e in self._peek(self._cache(tier)).values())
+
+    def pinned(self, tier: str) -> dict[str, int]:
+        """{shard: pin count over all live processes} in cache tier `tier`."""
+        with self._locked(self._cache(tier)) as led:
+            return {n: sum(e["pins"].values()) for n, e in led.items() if e.get("pins")}
+
+    def bandwidth(self, tier: str) -> float | None:
+        """Bytes/s read from `tier`: configured, else measured from this process's transfers."""
+        spec = self._tier(tier).spec
+        if spec.bandwidth:
+            return spec.bandwidth
+        with self._stats_lock:
+            return self._bandwidth.get(tier)
+
+    # ---------------------------------------------------------------------------- operations
+    def open(self, name: str, *, pin: bool = False) -> str:
+        """Local path of `name` in the fastest tier holding it; on a miss it is first promoted
+        into the fastest cache tier. With pin=True the copy stays until `unpin(name, tier)`
+        (`locate` or `reading` tell the tier)."""
+        return self._open(name, pin).path
+
+    def acquire(self, name: str) -> Placement:
+        """Like `open(name, pin=True)`, telling where: `.path`, `.tier`, and `.source` (None on a
+        hit, else the tier it was promoted from). Release with `unpin(name, placement.tier)`."""
+        return self._open(name, pin=True)
+
+    @contextmanager
+    def reading(self, name: str) -> Iterator[str]:
+        """`with store.reading(name) as path:` the copy cannot be evicted inside the block."""
+        placed = self._open(name, pin=True)
+        try:
+            yield placed.path
+        finally:
+            self.unpin(name, placed.tier)
+
+    def promote(self, name: str, to: str, *, evict: Sequence[str] = (),
+                order: Callable[[list[str]], Sequence[str]] | None = None, pin: bool = False,
+                wait_s: float | None = None) -> Placement:
+        """Copy `name` into cache tier `to` from the fastest other tier holding it.
+
+        Room is made first: the shards in `evict` (those still there and not pinned), then the
+        candidates `order` returns, in that order (default: least recently used first; `order`
+        may leave out shards that must stay). Waits up to `wait_s` (default lock_timeout) for
+        room or for another process already copying the same shard, then raises TierFull.
+        """
+        info = self._info(name)
+        t = self._cache(to)
+        deadline = time.monotonic() + (self.lock_timeout if wait_s is None else wait_s)
+        delay = 0.002
+        while True:
+            with self._locked(t) as led:
+                e = led.get(name)
+                if self._ready(name, e) and not os.path.exists(t.path(name)):
+                    del led[name]  # someone removed the file behind our back
+                    e = None
+                if self._ready(name, e):
+                    e["last_use"] = time.time()
+                    if pin:
+                        _pin(e)
+                    return Placement(t.path(name), t.name, None, 0)
+                event = None
+                if e is None:
+                    victims = self._room(t, led, name, info.bytes, evict, order)
+                    if victims is not None:
+                        for v in victims:
+                            self._drop(t, led, v)
+                        tmp = f"{t.path(name)}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+                        led[name] = {"bytes": info.bytes, "sha256": info.sha256, "state": "writing",
+                                     "pid": os.getpid(), "tmp": tmp, "last_use": time.time(), "pins": {}}
+                        with self._events_lock:
+                            self._events[(t.name, name)] = threading.Event()
+                        break
+                    used = sum(x["bytes"] for x in led.values())
+                    stuck = sum(x["bytes"] for x in led.values() if x["state"] != "ready" or x["pins"])
+                    full = TierFull(name, t.name, info.bytes, used, t.spec.capacity, stuck)
+                else:  # being written by another thread or process
+                    full = None
+                    if e["pid"] == os.getpid():
+                        with self._events_lock:
+                            event = self._events.get((t.name, name))
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if full is not None:
+                    raise full
+                raise TimeoutError(f"shard {name!r} is being copied into tier {t.name!r} by another "
+                                   f"process for more than {self.lock_timeout}s")
+            if event is not None:
+                event.wait(remaining)
+            else:  # another process: poll its progress through the ledger
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, 0.05)
+
+        try:
+            source, seconds = self._copy_in(name, info, t, tmp)
+        except BaseException:
+            with self._locked(t) as led:
+                if led.get(name, {}).get("tmp") == tmp:
+                    del led[name]
+                _unlink(tmp)
+            self._signal(t.name, name)
+            raise
+        with self._locked(t) as led:
+            os.replace(tmp, t.path(name))
+            e = led[name]
+            e.update(state="ready", last_use=time.time())
+            e.pop("tmp", None)
+            if pin:
+                _pin(e)
+        self._signal(t.name, name)
+        with self._stats_lock:
+            pair = f"{source}->{t.name}"
+            self._moved[pair] += info.bytes
+            self._transfers[pair] += 1
+            self._seconds[pair] += seconds
+            if seconds > 0:
+                bw = info.bytes / seconds
+                old = self._bandwidth.get(source)
+                self._bandwidth[source] = bw if old is None else 0.7 * old + 0.3 * bw
+        return Placement(t.path(name), t.name, source, info.bytes, seconds)
+
+    def evict(self, name: str, tier: str) -> bool:
+        """Remove `name` from cache tier `tier`. False when it is not there, is being written,
+        or is pinned (a pinned copy is never evicted)."""
+        self._info(name)
+        t = self._cache(tier)
+        with self._locked(t) as led:
+            e = led.get(name)
+            if not self._ready(name, e) or e["pins"]:
+                return False
+            self._drop(t, led, name)
+            return True
+
+    def pin(self, name: str, tier: str) -> bool:
+        """Keep `name` in cache tier `tier` until `unpin`. False when it is not there."""
+        t = self._cache(tier)
+        with self._locked(t) as led:
+            e = led.get(name)
+            if not self._ready(name, e):
+                return False
+            _pin(e)
+            return True
+
+    def unpin(self, name: str, tier: str) -> None:
+        """Release one pin of this process on `name` in `tier` (no-op for the origin)."""
+        self.unpin_many([(name, tier)])
+
+    def unpin_many(self, pins: Iterable[tuple[str, str]]) -> None:
+        """`unpin` for many (shard, tier) pairs, one lock per tier."""
+        by_tier: dict[str, list[str]] = {}
+        for name, tier in pins:
+            by_tier.setdefault(tier, []).append(name)
+        for tier, names in by_tier.items():
+            t = self._tier(tier)
+            if t.origin:
+                continue
+            me = str(os.getpid())
+            with self._locked(t) as led:
+                for name in names:
+                    e = led.get(name)
+                    if e is not None and e["pins"].get(me, 0) > 1:
+                        e["pins"][me] -= 1
+                    elif e is not None:
+                        e["pins"].pop(me, None)
+
+    def stats(self) -> dict[str, Any]:
+        """This process's counters: reads served per tier (`hits`), opens that needed a
+        promotion (`misses`), bytes and transfers per tier pair, evictions and checksum failures
+        per tier, measured read bandwidth per tier (bytes/s)."""
+        with self._stats_lock:
+            return {
+                "hits": dict(self._hits), "misses": self._misses,
+                "bytes_moved": dict(self._moved), "transfers": dict(self._transfers),
+                "transfer_s": {k: round(v, 6) for k, v in self._seconds.items()},
+                "evictions": dict(self._evictions), "checksum_failures": dict(self._corrupt),
+                "bandwidth": {k: round(v) for k, v in self._bandwidth.items()},
+            }
+
+    # ------------------------------------------------------------------------------ internals
+    def _info(self, name: str) -> ShardInfo:
+        try:
+            return self.shards[name]
+        except KeyError:
+            raise KeyError(f"unknown shard {name!r}: not in the dataset's index.json") from None
+
+    def _tier(self, tier: str) -> _Tier:
+        try:
+            return self._by_name[tier]
+        except KeyError:
+            raise ValueError(f"unknown tier {tier!r}; tiers: {self.tier_names}") from None
+
+    def _cache(self, tier: str) -> _Tier:
+        t = self._tier(tier)
+        if t.origin:
+            raise ValueError(f"tier {tier!r} is the origin (read-only); cache tiers: {self.tier_names[:-1]}")
+        return t
+
+    def _open(self, name: str, pin: bool) -> Placement:
+        self._info(name)
+        for t in self._tiers[:-1]:
+            if name not in self._peek(t):
+                continue
+            with self._locked(t) as led:
+                e = led.get(name)
+                if not self._ready(name, e):
+                    continue
+                if not os.path.exists(t.path(name)):
+                    del led[name]
+                    continue
+                e["last_use"] = time.time()
+                if pin:
+                    _pin(e)
+            with self._stats_lock:
+                self._hits[t.name] += 1
+            return Placement(t.path(name), t.name, None, 0)
+        with self._stats_lock:
+            self._misses += 1
+        return self.promote(name, self._tiers[0].name, pin=pin)
+
+    def _peek(self, t: _Tier) -> dict[str, dict]:
+        """The ledger as last written (atomic renames make a lock-free read consistent)."""
+        try:
+            with open(t.ledger_path) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return {}
+
+    @contextmanager
+    def _locked(self, t: _Tier) -> Iterator[dict[str, dict]]:
+        """Hold tier `t` (threads and processes); yields the ledger, written back if changed.
+        The body must not leave the ledger half-changed when it raises: nothing is saved then."""
+        with t.lock.hold(self.lock_timeout, t.name):
+            led = self._peek(t)
+            before = json.dumps(led)
+            self._reclaim(t, led)
+            yield led
+            after = json.dumps(led)
+            if after != before:
+                tmp = f"{t.ledger_path}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    f.write(after)
+                os.replace(tmp, t.ledger_path)
+
+    def _ready(self, name: str, e: dict | None) -> bool:
+        """A ready copy of the shard this store knows (not one of an older build of the dataset)."""
+        info = self.shards.get(name)
+        return e is not None and e["state"] == "ready" and info is not None and e["sha256"] == info.sha256
+
+    def _reclaim(self, t: _Tier, led: dict[str, dict]) -> None:
+        """Drop reservations and pins of processes that no longer exist (and their files), and
+        unpinned copies of an older build of the dataset (same name, other sha256)."""
+        for name, e in list(led.items()):
+            if e["state"] == "writing" and not _alive(e["pid"]):
+                _unlink(e.get("tmp"))
+                _unlink(t.path(name))  # it may have been renamed just before the writer died
+                del led[name]
+                continue
+            dead = [pid for pid in e["pins"] if not _alive(int(pid))]
+            for pid in dead:
+                del e["pins"][pid]
+            info = self.shards.get(name)
+            if e["state"] == "ready" and not e["pins"] and info is not None and e["sha256"] != info.sha256:
+                _unlink(t.path(name))
+                del led[name]
+
+    def _room(self, t: _Tier, led: dict[str, dict], name: str, need: int, evict: Sequence[str],
+              order: Callable[[list[str]], Sequence[str]] | None) -> list[str] | None:
+        """Victims that make room for `need` bytes (possibly none), or None if impossible now."""
+        free = t.spec.capacity - sum(e["bytes"] for e in led.values())
+        if free >= need:
+            return []
+
+        def evictable(n: str) -> bool:
+            e = led.get(n)
+            return e is not None and n != name and e["state"] == "ready" and not e["pins"]
+
+        victims: list[str] = []
+        candidates = [n for n in led if evictable(n)]
+        ranked = order(candidates) if order is not None else sorted(
+            candidates, key=lambda n: (led[n]["last_use"], n))
+        for v in [*evict, *ranked]:
+            if v in victims or not evictable(v):
+                continue
+            victims.append(v)
+            free += led[v]["bytes"]
+            if free >= need:
+                return victims
+        return None
+
+    def _drop(self, t: _Tier, led: dict[str, dict], name: str) -> None:
+        _unlink(t.path(name))
+        del led[name]
+        with self._stats_lock:
+            self._evictions[t.name] += 1
+
+    def _signal(self, tier: str, name: str) -> None:
+        with self._events_lock:
+            ev = self._events.pop((tier, name), None)
+        if ev is not None:
+            ev.set()
+
+    def _copy_in(self, name: str, info: ShardInfo, t: _Tier, tmp: str) -> tuple[str, float]:
+        """Copy from the fastest other tier holding `name` into `tmp`, verifying it.
+        Returns (source tier, seconds)."""
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        src, f = self._open_source(name, exclude=t)
+        start = time.monotonic()
+        h = hashlib.sha256()
+        n = 0
+        try:
+            with f, open(tmp, "wb") as out:
+                while True:
+                    chunk = f.read(_CHUNK)
+                    if not chunk:
+                        break
+                    n += len(chunk)
+                    if n > info.bytes:  # never write past the reservation
+                        break
+                    h.update(chunk)
+                    out.write(chunk)
+        except FileNotFoundError as e:
+            if src.origin:
+                raise ShardMissing(name, src.name, src.url(name)) from e
+            raise TransferError(name, src.name, t.name, e) from e
+        except Exception as e:  # OSError, and botocore / aiohttp errors (not OSErrors)
+            raise TransferError(name, src.name, t.name, e) from e
+        seconds = time.monotonic() - start
+        digest = h.hexdigest()
+        if n != info.bytes or digest != info.sha256:
+            _unlink(tmp)
+            with self._stats_lock:
+                self._corrupt[src.name] += 1
+            if not src.origin:  # the source copy itself is corrupt: never serve it again
+                with self._locked(src) as led:
+                    if name in led and led[name]["state"] == "ready":
+                        _unlink(src.path(name))
+                        del led[name]
+            raise ChecksumError(name, src.name, src.url(name), info.sha256, digest, n, info.bytes)
+        return src.name, seconds
+
+    def _open_source(self, name: str, exclude: _Tier):
+        """(tier, open binary file) of the fastest tier other than `exclude` holding `name`."""
+        for s in self._tiers[:-1]:
+            if s is exclude or name not in self._peek(s):
+                continue
+            with self._locked(s) as led:
+                e = led.get(name)
+                if not self._ready(name, e):
+                    continue
+                try:
+                    f = open(s.path(name), "rb")  # the fd stays valid if it is evicted meanwhile
+                except FileNotFoundError:
+                    del led[name]
+                    continue
+                e["last_use"] = time.time()
+                return s, f
+        origin = self._tiers[-1]
+        try:
+            return origin, origin.fs.open(origin.path(name), "rb", block_size=_CHUNK)
+        except FileNotFoundError as e:
+            raise ShardMissing(name, origin.name, origin.url(name)) from e
+        except Exception as e:
+            raise TransferError(name, origin.name, exclude.name, e) from e
+
+
+def _pin(e: dict) -> None:
+    me = str(os.getpid())
+    e["pins"][me] = e["pins"].get(me, 0) + 1
+
+
+def _check_name(name: str) -> None:
+    parts = name.replace("\\", "/").split("/")
+    if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts) or META_DIR in parts:
+        raise ValueError(f"shard name {name!r} must be a relative path inside the dataset")

@@ -28,6 +28,8 @@ lint: setup
 
 bench: setup  ## side-by-side benchmarks (JSON on stdout)
 	$(PY) bench/wrapper_overhead.py
+	$(PY) bench/placement.py
+	$(PY) bench/data_pipeline.py
 
 clean:
 	rm -rf runs .raylib

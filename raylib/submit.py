@@ -305,9 +305,9 @@ def submit(
     job = build_submission(config, overrides=overrides, env=env, working_dir=working_dir)
     jobs = client(address)
     url = jobs.get_address()
-    job_id = jobs.submit_job(
-        entrypoint=job["entrypoint"], runtime_env=job["runtime_env"], submission_id=submission_id,
-        metadata={"raylib": "submit", "config": str(config)},
+    job_id = _submit_when_agent_ready(
+        jobs, entrypoint=job["entrypoint"], runtime_env=job["runtime_env"],
+        submission_id=submission_id, metadata={"raylib": "submit", "config": str(config)},
     )
     names = sorted(job["runtime_env"].get("env_vars", {}))
     print(f"raylib submit: job {job_id} on {url}: {job['entrypoint']}"
@@ -420,12 +420,26 @@ def fetch_summary(jobs, path: str, not_before_s: float = 0.0) -> dict[str, Any] 
     return fetch_remote_file_json(jobs, path)
 
 
+def _submit_when_agent_ready(jobs, wait_s: float = 120, **kwargs) -> str:
+    """submit_job, retried while a freshly started head's job agent is not up yet (HTTP 500 "No
+    available agent to submit job"); any other error is raised at once."""
+    deadline, delay = time.monotonic() + wait_s, 0.5
+    while True:
+        try:
+            return jobs.submit_job(**kwargs)
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
 def fetch_remote_file_json(jobs, path: str, timeout_s: float = 120) -> dict[str, Any] | None:
     """Read a JSON file on the cluster's head node (where job drivers run) with a tiny job."""
     code = ("import sys; sys.stdout.write('RAYLIB-JSON-BEGIN' + open(sys.argv[1]).read() "
             "+ 'RAYLIB-JSON-END')")
-    job_id = jobs.submit_job(entrypoint=shlex.join(["python", "-c", code, path]),
-                             metadata={"raylib": "fetch-summary"})
+    job_id = _submit_when_agent_ready(jobs, entrypoint=shlex.join(["python", "-c", code, path]),
+                                      metadata={"raylib": "fetch-summary"})
     status = _wait_terminal(jobs, job_id, deadline=time.monotonic() + timeout_s)
     logs = jobs.get_job_logs(job_id)
     m = re.search(r"RAYLIB-JSON-BEGIN(.*)RAYLIB-JSON-END", logs, re.DOTALL)

@@ -184,9 +184,20 @@ def scheduler(policy: dict[str, Any] | None = None, resource: str = "GPU"):
     return (
         ray.remote(GangSchedulerActor)
         .options(name=f"{ACTOR_NAME}-{resource.lower()}", namespace=NAMESPACE,
-                 lifetime="detached", get_if_exists=True, num_cpus=0, max_concurrency=32)
+                 lifetime="detached", get_if_exists=True, num_cpus=0, max_concurrency=32,
+                 scheduling_strategy=on_head_node())
         .remote(policy, resource)
     )
+
+
+def on_head_node():
+    """The scheduler lives on the head node: it must outlive the worker nodes it watches."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    head = next(n["NodeID"] for n in ray.nodes()
+                if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {}))
+    return NodeAffinitySchedulingStrategy(head, soft=False)
 
 
 @dataclass

@@ -37,15 +37,16 @@ def gang(labelled_cluster):
     """A fresh scheduler actor per test (not the detached, cluster-wide one)."""
     import ray
 
-    from raylib.placement.gang import GangSchedulerActor
+    from raylib.placement.gang import GangSchedulerActor, on_head_node
 
-    actor = ray.remote(GangSchedulerActor).options(num_cpus=0, max_concurrency=32).remote()
+    actor = ray.remote(GangSchedulerActor).options(
+        num_cpus=0, max_concurrency=32, scheduling_strategy=on_head_node()).remote()
     yield actor
     ray.get(actor.shutdown.remote())
     ray.kill(actor)
 
 
-def wait_state(actor, job_id, state, deadline_s=90, where=lambda st: True):
+def wait_state(actor, job_id, state, deadline_s=300, where=lambda st: True):
     import ray
 
     end = time.monotonic() + deadline_s
@@ -71,7 +72,7 @@ def test_bundles_land_where_the_plan_says(gang, labelled_cluster):
     from raylib.placement.gang import reserve
     from raylib.placement.planner import Parallelism
 
-    res = reserve("where", Parallelism(dp=2, tp=4), actor=gang, timeout_s=60)
+    res = reserve("where", Parallelism(dp=2, tp=4), actor=gang, timeout_s=300)
     # tp=4 groups each inside one node (an island of 4): two nodes, both on one leaf.
     nodes = res.plan.nodes()
     assert len(nodes) == 2
@@ -100,7 +101,7 @@ def test_priority_preemption_and_requeue(gang):
     from raylib.placement.gang import reserve
     from raylib.placement.planner import Parallelism
 
-    low = reserve("low", Parallelism(dp=4, tp=4), priority=0, actor=gang, timeout_s=60)
+    low = reserve("low", Parallelism(dp=4, tp=4), priority=0, actor=gang, timeout_s=300)
     assert len(low.plan.nodes()) == 4
     assert not low.preempt_requested()
 
@@ -126,7 +127,7 @@ def test_infeasible_and_timeout_are_clear_and_leak_nothing(gang):
     before = live_groups()
     with pytest.raises(PlacementError, match="tp=8"):
         reserve("too-wide", Parallelism(tp=8), actor=gang)  # islands hold 4 GPUs
-    hold = reserve("hold", Parallelism(dp=3, tp=4), actor=gang, timeout_s=60)
+    hold = reserve("hold", Parallelism(dp=3, tp=4), actor=gang, timeout_s=300)
     t0 = time.monotonic()
     with pytest.raises(PlacementError, match="timed out"):
         reserve("late", Parallelism(dp=2, tp=4), actor=gang, timeout_s=1.5)
@@ -148,7 +149,7 @@ def test_deepspeed_run_placed_through_the_gang_scheduler(labelled_cluster, tiny_
         "data": {"path": tiny_dataset, "manifest": None},
         "strategy": {"zero_stage": 1, "micro_batch_size": 8},
         "scaling": {"num_workers": 2, "use_gpu": False},
-        "placement": {"gang": True, "timeout_s": 120},
+        "placement": {"gang": True, "timeout_s": 300},
         "run": {"steps": 3, "log_every": 1, "output_dir": str(tmp_path)},
     })
     s = run(spec, progress=False).summary
@@ -170,7 +171,7 @@ def test_node_death_replans_the_reservation(gang, labelled_cluster):
     from raylib.placement.planner import Parallelism
 
     cluster, nodes = labelled_cluster
-    res = reserve("survivor", Parallelism(tp=4), actor=gang, timeout_s=60)
+    res = reserve("survivor", Parallelism(tp=4), actor=gang, timeout_s=300)
     victim_id = res.plan.rank_node[0]
     victim = next(n for n in nodes if n.node_id == victim_id)
     cluster.remove_node(victim)

@@ -245,4 +245,6 @@ def reserve(job_id: str, parallelism: Parallelism, *, priority: int = 0, tenant:
             return Reservation(job_id, PlacementPlan.model_validate(st["plan"]), actor)
         if st["state"] == "timed_out":
             raise PlacementError(f"job {job_id!r} timed out waiting for its gang: {st['reason']}")
+        if st.get("error"):  # the scheduler's loop failed: waiting longer would never end
+            raise RuntimeError(f"the gang scheduler failed while job {job_id!r} waited: {st['error']}")
         time.sleep(poll_s)

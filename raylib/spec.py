@@ -49,6 +49,40 @@ class ModelSpec(_Section):
         return v
 
 
+class CacheTierSpec(_Section):
+    """One local cache tier (hot: /dev/shm or NVMe, warm: local disk)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    url: str
+    """A node-local directory; every node uses the same path."""
+    capacity: int | str
+    """Bytes this node's tier may hold, shared by the node's ranks ('512MB' accepted)."""
+    bandwidth: float | str | None = None
+    """Bytes/s this tier can feed the next faster one ('1GB/s'); None: measured."""
+
+    @field_validator("capacity")
+    @classmethod
+    def _capacity(cls, v: int | str) -> int:
+        from raylib.data.build import parse_size
+
+        n = parse_size(v) if isinstance(v, str) else v
+        if n <= 0:
+            raise ValueError(f"capacity must be positive, got {v!r}")
+        return n
+
+
+class PrefetchSpec(_Section):
+    concurrency: int = Field(2, ge=1)
+    """Shard transfers running at once per rank."""
+    lookahead: int | None = Field(None, ge=1)
+    """Shards ahead of the reader a transfer may start; None: derived from bandwidth."""
+    retries: int = Field(4, ge=0)
+    """Retries of a transfer after a transient (network / 5xx) error, with backoff."""
+    skip_corrupt: bool = False
+    """Skip (and report) shards that are corrupt or missing at the origin instead of failing."""
+    policy: Literal["belady", "lru"] = "belady"
+
+
 class DataSpec(_Section):
     path: str = ".raylib/data/ecommerce"
     """fsspec URL (local dir, s3://...) of the tokenized parquet shards and tokenizer.json."""
@@ -57,7 +91,22 @@ class DataSpec(_Section):
     mlm_probability: float = Field(0.15, gt=0.0, lt=1.0)
     """Fraction of tokens selected for masked-LM prediction (BERT: 0.15)."""
     shuffle_seed: int = 0
-    """Seed of the per-epoch shuffle of the shards' rows."""
+    """Seed of the per-epoch shuffle (of the shards' order, and of the rows without tiers)."""
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
+    """fsspec options for `path` (s3://...: endpoint etc.; credentials come from the environment)."""
+    tiers: list[CacheTierSpec] = Field(default_factory=list)
+    """Local cache tiers in front of `path`, fastest first (hot, then warm); `path` is the cold
+    tier. Empty: read `path` directly with Ray Data. With tiers, every rank reads its planned
+    shard order through a prefetcher that plans promotion/eviction from the known future."""
+    prefetch: PrefetchSpec = Field(default_factory=PrefetchSpec)
+
+    @field_validator("tiers")
+    @classmethod
+    def _unique_tiers(cls, v: list[CacheTierSpec]) -> list[CacheTierSpec]:
+        names = [t.name for t in v]
+        if len(set(names)) != len(names) or "cold" in names:
+            raise ValueError(f"tier names must be unique and not 'cold' (data.path is cold), got {names}")
+        return v
 
 
 ZeroStage = Literal[0, 1, 2, 3]
@@ -140,10 +189,25 @@ class PlacementSpec(_Section):
 
 class CheckpointSpec(_Section):
     interval_steps: int = Field(0, ge=0)
-    """Save a DeepSpeed checkpoint every N optimizer steps (0: only at the end)."""
+    """Checkpoint every N optimizer steps (0: only at the end)."""
     at_end: bool = True
     keep: int = Field(2, ge=1)
     """Checkpoints kept by Ray Train (oldest deleted first)."""
+    in_memory: bool = True
+    """Snapshot to the Ray object store (held by a keeper actor per node, replicated, persisted in
+    the background). False: DeepSpeed files written through Ray Train's storage (blocking)."""
+    replicas: int = Field(1, ge=0)
+    """Copies of each rank's snapshot on other nodes (0: only the local keeper's copy)."""
+    persist_url: str | None = None
+    """fsspec URL the snapshots are persisted to asynchronously (None: <run dir>/checkpoints)."""
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
+    """fsspec options for persist_url (credentials come from the environment)."""
+    keep_in_memory: int = Field(2, ge=1)
+    """Snapshots kept in the object store per run (oldest dropped first)."""
+    keep_persisted: int = Field(2, ge=1)
+    """Persisted snapshots kept at persist_url."""
+    max_store_fraction: float = Field(0.5, gt=0, le=1)
+    """Refuse a snapshot that would need more than this fraction of a node's object store."""
 
 
 class RunSpec(_Section):

@@ -15,27 +15,29 @@ from typing import Any
 TAG = "deepspeed"  # each Ray checkpoint directory holds one DeepSpeed tag
 
 
-def save(engine, step: int, metrics: dict[str, Any]) -> None:
-    """Save the engine (all ranks must call) and report it with `metrics` to Ray Train."""
+def save(engine, step: int, metrics: dict[str, Any], state: dict[str, Any] | None = None) -> None:
+    """Save the engine (all ranks must call) and report it with `metrics` to Ray Train.
+    `state`: small JSON-able client state of this rank (e.g. the data pipeline's position)."""
     import ray.train
 
     local = tempfile.mkdtemp(prefix="raylib-ckpt-")
     try:
-        engine.save_checkpoint(local, tag=TAG, client_state={"step": step})
+        engine.save_checkpoint(local, tag=TAG, client_state={"step": step, "state": state or {}})
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(local))
     finally:
         shutil.rmtree(local, ignore_errors=True)
 
 
-def restore(engine) -> int:
-    """Load the latest checkpoint of this run into `engine`; the step to continue from."""
+def restore(engine) -> tuple[int, dict[str, Any]]:
+    """Load the latest checkpoint of this run into `engine`: (step to continue from, the state
+    saved with it)."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return 0
+        return 0, {}
     with checkpoint.as_directory() as directory:
         path, client_state = engine.load_checkpoint(directory, tag=TAG)
     if path is None:
         raise RuntimeError(f"checkpoint {checkpoint.path} holds no DeepSpeed tag {TAG!r}")
-    return int(client_state["step"])
+    return int(client_state["step"]), dict(client_state.get("state") or {})

@@ -45,7 +45,7 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config
     )
-    start = checkpointing.restore(engine)
+    start, _state = checkpointing.restore(engine)
     accum = engine.gradient_accumulation_steps()
     micro = engine.train_micro_batch_size_per_gpu()
     global_batch = engine.train_batch_size()
@@ -74,7 +74,7 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
                    "samples_per_s": global_batch / step_times[-1]}
         if _checkpoint_due(spec, done):
             tc = time.perf_counter()
-            checkpointing.save(engine, done, metrics)
+            checkpointing.save(engine, done, metrics, {})
             checkpoint_s += time.perf_counter() - tc
         elif done % spec.run.log_every == 0:
             ray.train.report(metrics)

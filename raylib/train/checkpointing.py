@@ -15,6 +15,28 @@ from typing import Any
 TAG = "deepspeed"  # each Ray checkpoint directory holds one DeepSpeed tag
 
 
+class Checkpointer:
+    """What the worker loop calls: `restore` once before training, `save` on every rank at each
+    checkpoint step, `close` at the end (waits for background work)."""
+
+    def __init__(self, spec, run_dir: str):
+        self.spec = spec
+        self.run_dir = run_dir
+
+    def restore(self, engine) -> tuple[int, dict[str, Any]]:
+        return restore(engine)
+
+    def save(self, engine, step: int, metrics: dict[str, Any], state: dict[str, Any]) -> None:
+        save(engine, step, metrics, state)
+
+    def close(self) -> None:
+        pass
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters for summary.json (kept empty by the blocking path)."""
+        return {}
+
+
 def save(engine, step: int, metrics: dict[str, Any], state: dict[str, Any] | None = None) -> None:
     """Save the engine (all ranks must call) and report it with `metrics` to Ray Train.
     `state`: small JSON-able client state of this rank (e.g. the data pipeline's position)."""

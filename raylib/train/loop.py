@@ -45,7 +45,8 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config
     )
-    start, _state = checkpointing.restore(engine)
+    checkpointer = checkpointing.Checkpointer(spec, config["run_dir"])
+    start, _state = checkpointer.restore(engine)
     accum = engine.gradient_accumulation_steps()
     micro = engine.train_micro_batch_size_per_gpu()
     global_batch = engine.train_batch_size()
@@ -74,11 +75,12 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
                    "samples_per_s": global_batch / step_times[-1]}
         if _checkpoint_due(spec, done):
             tc = time.perf_counter()
-            checkpointing.save(engine, done, metrics, {})
+            checkpointer.save(engine, done, metrics, {})
             checkpoint_s += time.perf_counter() - tc
         elif done % spec.run.log_every == 0:
             ray.train.report(metrics)
     loop_s = time.perf_counter() - loop_start
+    checkpointer.close()
 
     # Mean loss over ranks (one collective at the end, not one per step).
     curve = torch.tensor(losses, dtype=torch.float64)
@@ -100,6 +102,7 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
         "global_batch": global_batch,
         "param_digests": [d for d, _ in digests],
         "rank_nodes": [n for _, n in digests],
+        "checkpoint": checkpointer.metrics(),
     }
 
 

@@ -64,6 +64,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True) -> Run
                     "vocab_size": index.vocab_size,
                     "seq_len": index.seq_len,
                     "pad_id": index.special_ids["[PAD]"],
+                    "run_dir": str(run_dir),
                 },
                 torch_config=TorchConfig(backend="nccl" if on_gpu else "gloo"),
                 scaling_config=ray.train.ScalingConfig(

@@ -60,6 +60,16 @@ class CacheTierSpec(_Section):
     bandwidth: float | str | None = None
     """Bytes/s this tier can feed the next faster one ('1GB/s'); None: measured."""
 
+    @field_validator("url")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        # workers do not share the driver's working directory
+        proto = v.split("://", 1)[0] if "://" in v else None
+        if proto not in (None, "file", "local"):
+            raise ValueError(f"a cache tier must be a node-local directory, got {v!r} (the cold tier is "
+                             "data.path)")
+        return str(Path(v.split("://", 1)[-1]).expanduser().resolve())
+
     @field_validator("capacity")
     @classmethod
     def _capacity(cls, v: int | str) -> int:

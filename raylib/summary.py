@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,14 @@ class RunResult:
                 "data_wait_fraction", "checkpoint_uri", "wall_s"]
         width = max(map(len, keys))
         rows = [f"  {k:<{width}}  {_fmt(self.summary.get(k))}" for k in keys]
+        data = self.summary.get("data")
+        if data:
+            moved = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in data["bytes_moved"].items())
+            rows.append(f"  {'tiers':<{width}}  shards read from {data['tier_hits']}; "
+                        f"moved {moved or 'nothing'}; skipped {data['shards_skipped']}")
+        ckpt = self.summary.get("checkpoint")
+        if ckpt:
+            rows.append(f"  {'checkpoints':<{width}}  {_fmt(ckpt)}")
         return "\n".join([f"run {self.summary['name']}  ({self.run_dir})", *rows])
 
 
@@ -62,14 +71,65 @@ def summarize(spec, history: dict[str, Any], index, ds_config: dict[str, Any],
         "param_digests_agree": len(set(history["param_digests"])) == 1,
         "rank_nodes": history["rank_nodes"],
         "planned_nodes": history.get("planned_nodes"),
+        "preemptions": history.get("preemptions", 0),
         "wall_s": wall_s,
+        "data": data_summary(history.get("data_ranks"), history["data_wait_s"], loop_s),
+        "checkpoint": history.get("checkpoint") or None,
         "loss_curve": losses,
     }
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if losses:
         plot_loss(losses, history["start_step"], run_dir / "loss.png", title=spec.name)
+    if history.get("data_timeline"):
+        plot_tiers(history["data_timeline"], run_dir / "data_tiers.png", title=spec.name)
     return RunResult(summary=summary, run_dir=run_dir)
+
+
+def data_summary(ranks: list[dict] | None, wait_s: float, loop_s: float) -> dict[str, Any] | None:
+    """The tiered pipeline's figures summed over ranks (None without tiers)."""
+    if not ranks:
+        return None
+    hits: Counter[str] = Counter()
+    moved: Counter[str] = Counter()
+    for r in ranks:
+        hits.update(r["served_from"])
+        moved.update(r["bytes_moved"])
+    leads = [r["prefetch_lead_s"]["median"] for r in ranks if r["prefetch_lead_s"]["median"] is not None]
+    return {
+        "data_wait_fraction": wait_s / loop_s if loop_s > 0 else 0.0,
+        "shards_read": sum(r["served"] for r in ranks),
+        "tier_hits": dict(hits),
+        "bytes_moved": dict(moved),
+        "prefetch_lead_s_median": statistics.median(leads) if leads else None,
+        "late_loads": sum(r["late_loads"] for r in ranks),
+        "unplanned_misses": sum(r["unplanned_misses"] for r in ranks),
+        "retries": sum(r["retries"] for r in ranks),
+        "shards_skipped": sum(r["skipped"] for r in ranks),
+        "skipped_shards": [s for r in ranks for s in r["skipped_shards"]],
+    }
+
+
+def plot_tiers(timeline: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Rank 0's tiers over time: cumulative bytes moved per tier pair, and shards served per tier."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 5))
+    FigureCanvasAgg(fig)
+    moved_ax, hits_ax = fig.subplots(2, 1, sharex=True)
+    t = [e["t"] for e in timeline]
+    for pair in sorted({k for e in timeline for k in e["bytes_moved"]}):
+        moved_ax.plot(t, [e["bytes_moved"].get(pair, 0) / 2**20 for e in timeline], label=pair)
+    for tier in sorted({k for e in timeline for k in e["hits"]}):
+        hits_ax.plot(t, [e["hits"].get(tier, 0) for e in timeline], label=f"read from {tier}")
+    moved_ax.set(ylabel="MiB moved (cumulative)", title=f"{title}: tiers, rank 0")
+    hits_ax.set(xlabel="seconds since the pipeline started", ylabel="shards (cumulative)")
+    for ax in (moved_ax, hits_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def plot_loss(losses: list[float], start_step: int, path: Path, title: str) -> None:

@@ -380,6 +380,12 @@ class Prefetcher:
             pins = [p for pos in list(self._pins) for p in self._pins.pop(pos)]
         self.store.unpin_many(pins)
 
+    @property
+    def served_from(self) -> dict[str, int]:
+        """Reads served so far per tier the shard came from (cheap; for timelines)."""
+        with self._cond:
+            return dict(self._served_from)
+
     def metrics(self) -> dict[str, Any]:
         """Per-tier service counts, bytes moved, prefetch lead, reader wait, skips, retries."""
         leads = self._leads

@@ -20,6 +20,7 @@ import atexit
 import contextlib
 import glob
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -31,9 +32,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
 PORT_NAMES = ("s3", "s3_grpc", "master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc")
 _REGION = "us-east-1"
 
@@ -343,6 +346,34 @@ def _stop_all() -> None:  # a crashed test or script never leaves a weed behind
 
 
 atexit.register(_stop_all)
+
+
+@contextlib.contextmanager
+def embedded_s3(data_dir: str | os.PathLike, buckets: list[str] = ()) -> Iterator[SeaweedFS]:
+    """A SeaweedFS on loopback for this process and the local Ray cluster it starts: the
+    environment points AWS clients at it (credentials generated unless set) until exit."""
+    saved = {k: os.environ.get(k) for k in
+             ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")}
+    if not (saved["AWS_ACCESS_KEY_ID"] and saved["AWS_SECRET_ACCESS_KEY"]):
+        os.environ["AWS_ACCESS_KEY_ID"] = "raylib" + secrets.token_hex(4)
+        os.environ["AWS_SECRET_ACCESS_KEY"] = secrets.token_hex(20)
+    server = SeaweedFS(data_dir)
+    try:
+        server.start()
+        os.environ.update(server.env())
+        fs = server.filesystem()
+        for b in buckets:
+            with contextlib.suppress(FileExistsError):
+                fs.mkdir(b)
+        log.info("embedded S3 (SeaweedFS) at %s, data in %s", server.endpoint, server.data_dir)
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main(argv: list[str] | None = None) -> int:

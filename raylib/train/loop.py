@@ -46,12 +46,21 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
         model=model, model_parameters=model.parameters(), config=ds_config
     )
     checkpointer = checkpointing.Checkpointer(spec, config["run_dir"])
-    start, _state = checkpointer.restore(engine)
+    start, state = checkpointer.restore(engine)
+    _restore_rng(state.get("rng"), on_gpu)
     accum = engine.gradient_accumulation_steps()
     micro = engine.train_micro_batch_size_per_gpu()
     global_batch = engine.train_batch_size()
-    batches = _batches(ray.train.get_dataset_shard("train"), micro, engine.device)
+    rows_per_step = accum * micro
+    pipeline = None
+    if spec.data.tiers:
+        pipeline = _tiered_pipeline(spec, config, ctx, micro, rows_per_step, start, state, engine.device)
+        batches = iter(pipeline)
+    else:
+        batches = _batches(ray.train.get_dataset_shard("train"), micro, engine.device)
 
+    preempt_probe = _preempt_probe(config.get("gang"), rank, engine.device)
+    preempted = False
     losses: list[float] = []
     step_times: list[float] = []
     data_wait = checkpoint_s = 0.0
@@ -73,23 +82,32 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
         done = step + 1
         metrics = {"step": done, "loss": losses[-1], "lr": engine.get_lr()[0],
                    "samples_per_s": global_batch / step_times[-1]}
-        if _checkpoint_due(spec, done):
+        # a preempted job checkpoints here and stops; the driver waits for its gang again
+        preempted = preempt_probe is not None and done < spec.run.steps and \
+            done % spec.run.log_every == 0 and preempt_probe()
+        if preempted or _checkpoint_due(spec, done):
             tc = time.perf_counter()
-            checkpointer.save(engine, done, metrics, {})
+            checkpointer.save(engine, done, metrics, _client_state(pipeline, on_gpu))
             checkpoint_s += time.perf_counter() - tc
         elif done % spec.run.log_every == 0:
             ray.train.report(metrics)
+        if preempted:
+            break
     loop_s = time.perf_counter() - loop_start
     checkpointer.close()
+    data_metrics = pipeline.metrics() if pipeline else None
+    if pipeline:
+        pipeline.close()
 
     # Mean loss over ranks (one collective at the end, not one per step).
     curve = torch.tensor(losses, dtype=torch.float64)
     if losses:
         dist.all_reduce(curve)
         curve /= dist.get_world_size()
-    digests: list[tuple[str, str] | None] = [None] * dist.get_world_size()
+    digests: list[tuple | None] = [None] * dist.get_world_size()
     node = ray.get_runtime_context().get_node_id()
-    dist.all_gather_object(digests, (_parameter_digest(engine, spec.strategy.zero_stage), node))
+    data_brief = {k: v for k, v in data_metrics.items() if k != "timeline"} if data_metrics else None
+    dist.all_gather_object(digests, (_parameter_digest(engine, spec.strategy.zero_stage), node, data_brief))
     if rank != 0:
         return None
     return {
@@ -100,10 +118,73 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
         "checkpoint_s": checkpoint_s,
         "loop_s": loop_s,
         "global_batch": global_batch,
-        "param_digests": [d for d, _ in digests],
-        "rank_nodes": [n for _, n in digests],
+        "param_digests": [d[0] for d in digests],
+        "rank_nodes": [d[1] for d in digests],
+        "data_ranks": [d[2] for d in digests] if data_metrics else None,
         "checkpoint": checkpointer.metrics(),
+        "preempted": preempted,
+        "data_timeline": data_metrics["timeline"] if data_metrics else None,
     }
+
+
+def _tiered_pipeline(spec, config, ctx, micro, rows_per_step, start, state, device):
+    """This rank's planned data path, positioned after the rows the restored steps consumed."""
+    from raylib.data.build import DatasetIndex
+    from raylib.data.pipeline import TieredPipeline
+
+    pipeline = TieredPipeline(
+        spec, DatasetIndex(**config["index"]), rank=ctx.get_world_rank(),
+        world_size=ctx.get_world_size(), micro_batch=micro,
+        rows_needed=spec.run.steps * rows_per_step, rows_done=start * rows_per_step,
+        local_ranks=ctx.get_local_world_size(), device=device)
+    saved = state.get("data", {}).get("order")
+    if start and saved is not None and saved != pipeline.order_fingerprint():
+        pipeline.close()
+        raise RuntimeError("the checkpoint was taken with a different data order (data.shuffle_seed, "
+                           "dataset or world size changed); resume with the same data settings")
+    return pipeline
+
+
+def _client_state(pipeline, on_gpu: bool) -> dict[str, Any]:
+    """What a rank saves besides the engine: where its data stream is, and its RNG (dropout), so
+    a resumed run continues exactly as an uninterrupted one would."""
+    import torch
+
+    rng = {"torch": torch.get_rng_state().tolist()}
+    if on_gpu:
+        rng["cuda"] = torch.cuda.get_rng_state().tolist()
+    return {"data": pipeline.state() if pipeline else {}, "rng": rng}
+
+
+def _restore_rng(rng: dict[str, list[int]] | None, on_gpu: bool) -> None:
+    import torch
+
+    if not rng:
+        return
+    torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+    if on_gpu and "cuda" in rng:
+        torch.cuda.set_rng_state(torch.tensor(rng["cuda"], dtype=torch.uint8))
+
+
+def _preempt_probe(gang: dict[str, str] | None, rank: int, device):
+    """A collective check (all ranks call it at the same steps and get the same answer): has the
+    gang scheduler asked this job to give its accelerators back?"""
+    if gang is None:
+        return None
+    import ray
+    import torch
+    import torch.distributed as dist
+
+    actor = ray.get_actor(gang["actor"], namespace=gang["namespace"]) if rank == 0 else None
+
+    def probe() -> bool:
+        flag = torch.zeros(1, dtype=torch.int32, device=device)  # NCCL: on the GPU
+        if actor is not None:
+            flag[0] = int(ray.get(actor.preempt_requested.remote(gang["job_id"])))
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    return probe
 
 
 def _checkpoint_due(spec, done: int) -> bool:

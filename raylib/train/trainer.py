@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import time
+import uuid
 from typing import Any
 
 from raylib.spec import JobSpec
@@ -21,6 +24,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True) -> Run
 
     from raylib import runtime
     from raylib.data.build import DatasetManifest, build, is_built, read_index
+    from raylib.data.pipeline import check_tiers
     from raylib.data.source import training_dataset
     from raylib.train.loop import worker_loop
     from raylib.train.progress import ProgressBar
@@ -37,6 +41,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True) -> Run
         build(DatasetManifest.load(spec.data.manifest), spec.data.path, progress=progress)
     index = read_index(spec.data.path)
     _check_data_fits(spec, index)
+    check_tiers(spec, index)
 
     resources = runtime.connect(
         address, num_cpus_needed=spec.world_size * spec.scaling.cpus_per_worker
@@ -50,65 +55,109 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True) -> Run
     (run_dir / "spec.yaml").write_text(spec.to_yaml())
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
 
-    reservation = _reserve(spec, on_gpu) if spec.placement.gang else None
     worker_spec = spec.model_copy(deep=True)
     worker_spec.strategy.deepspeed_config = ds_config  # workers need no access to the driver's files
-    try:
-        with ProgressBar(spec.run.steps, enabled=progress) as bar:
-            trainer = TorchTrainer(
-                worker_loop,
-                train_loop_config={
-                    "spec": worker_spec.model_dump(mode="json", exclude_unset=True),
-                    "ds_config": ds_config,
-                    "on_gpu": on_gpu,
-                    "vocab_size": index.vocab_size,
-                    "seq_len": index.seq_len,
-                    "pad_id": index.special_ids["[PAD]"],
-                    "run_dir": str(run_dir),
-                },
-                torch_config=TorchConfig(backend="nccl" if on_gpu else "gloo"),
-                scaling_config=ray.train.ScalingConfig(
-                    num_workers=spec.world_size,
-                    use_gpu=on_gpu,
-                    resources_per_worker={"CPU": spec.scaling.cpus_per_worker,
-                                          **({"GPU": 1} if on_gpu else {})},
-                    label_selector=reservation.label_selectors() if reservation else None,
-                ),
-                run_config=ray.train.RunConfig(
-                    name=spec.name,
-                    storage_path=str(run_dir.parent),
-                    failure_config=ray.train.FailureConfig(max_failures=spec.run.max_failures),
-                    checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.checkpoint.keep),
-                    callbacks=[bar.callback],
-                ),
-                datasets={"train": training_dataset(spec, index)},
-            )
-            log.info("training %r on %d worker(s) (%s, ZeRO-%d)", spec.name, spec.world_size,
-                     "GPU/NCCL" if on_gpu else "CPU/gloo", spec.strategy.zero_stage)
-            if reservation:
-                reservation.handoff()  # its accelerators go to the workers created now
-            result = trainer.fit()
-    finally:
-        if reservation:
-            reservation.release()
-    history = {**result.return_value,
-               "planned_nodes": reservation.plan.rank_node if reservation else None}
+    loop_config = {
+        "spec": worker_spec.model_dump(mode="json", exclude_unset=True),
+        "ds_config": ds_config,
+        "on_gpu": on_gpu,
+        "vocab_size": index.vocab_size,
+        "seq_len": index.seq_len,
+        "pad_id": index.special_ids["[PAD]"],
+        "run_dir": str(run_dir),
+        "index": dataclasses.asdict(index),
+    }
+    job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
+    parts: list[dict[str, Any]] = []
+    with ProgressBar(spec.run.steps, enabled=progress) as bar:
+        while True:  # once, or again after each preemption (resuming from its checkpoint)
+            reservation = _reserve(spec, on_gpu, job_id) if spec.placement.gang else None
+            try:
+                trainer = TorchTrainer(
+                    worker_loop,
+                    train_loop_config={**loop_config, "gang": _gang_handle(reservation, on_gpu)},
+                    torch_config=TorchConfig(backend="nccl" if on_gpu else "gloo"),
+                    scaling_config=ray.train.ScalingConfig(
+                        num_workers=spec.world_size,
+                        use_gpu=on_gpu,
+                        resources_per_worker={"CPU": spec.scaling.cpus_per_worker,
+                                              **({"GPU": 1} if on_gpu else {})},
+                        label_selector=reservation.label_selectors() if reservation else None,
+                    ),
+                    run_config=ray.train.RunConfig(
+                        name=spec.name,
+                        storage_path=str(run_dir.parent),
+                        failure_config=ray.train.FailureConfig(max_failures=spec.run.max_failures),
+                        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.checkpoint.keep),
+                        callbacks=[bar.callback],
+                        worker_runtime_env=_worker_env(),
+                    ),
+                    # with tiers every rank reads its planned shards itself (data.pipeline)
+                    datasets=None if spec.data.tiers else {"train": training_dataset(spec, index)},
+                )
+                log.info("training %r on %d worker(s) (%s, ZeRO-%d)", spec.name, spec.world_size,
+                         "GPU/NCCL" if on_gpu else "CPU/gloo", spec.strategy.zero_stage)
+                if reservation:
+                    reservation.handoff()  # its accelerators go to the workers created now
+                result = trainer.fit()
+            finally:
+                if reservation:
+                    reservation.release()  # after a preemption the job is already queued again
+            parts.append({**result.return_value,
+                          "planned_nodes": reservation.plan.rank_node if reservation else None})
+            if not result.return_value.get("preempted"):
+                break
+            log.warning("run %r was preempted at step %d (checkpointed); waiting for its gang again",
+                        spec.name, result.return_value["start_step"] + len(result.return_value["losses"]))
+    history = _merge(parts)
     checkpoint_uri = result.checkpoint.path if result.checkpoint else None
     return summarize(spec, history, index, ds_config, checkpoint_uri,
                      wall_s=time.perf_counter() - wall0, run_dir=run_dir)
 
 
-def _reserve(spec: JobSpec, on_gpu: bool):
-    """Wait for the job's gang: topology-aware, all or nothing, in priority order."""
-    import uuid
+# Object-store credentials and endpoint reach the workers from the driver's environment only
+# (never from files or the spec), through Ray's runtime_env.
+_STORAGE_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
+                "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE")
 
+
+def _worker_env() -> dict[str, Any] | None:
+    env = {k: os.environ[k] for k in _STORAGE_ENV if os.environ.get(k)}
+    return {"env_vars": env} if env else None
+
+
+def _reserve(spec: JobSpec, on_gpu: bool, job_id: str):
+    """Wait for the job's gang: topology-aware, all or nothing, in priority order."""
     from raylib.placement import gang
 
     p = spec.placement
     actor = gang.scheduler(resource="GPU" if on_gpu else "CPU")
     log.info("waiting for a gang of %d workers (priority %d)", spec.world_size, p.priority)
-    return gang.reserve(f"{spec.name}-{uuid.uuid4().hex[:8]}", p.parallelism(spec.world_size),
+    return gang.reserve(job_id, p.parallelism(spec.world_size),
                         priority=p.priority, tenant=p.tenant, timeout_s=p.timeout_s, actor=actor)
+
+
+def _gang_handle(reservation, on_gpu: bool) -> dict[str, str] | None:
+    """How the workers find the scheduler to ask whether their job is being preempted."""
+    from raylib.placement import gang
+
+    if reservation is None:
+        return None
+    return {"job_id": reservation.job_id, "namespace": gang.NAMESPACE,
+            "actor": f"{gang.ACTOR_NAME}-{'gpu' if on_gpu else 'cpu'}"}
+
+
+def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One history from the fits of a run that was preempted and resumed."""
+    if len(parts) == 1:
+        return parts[0]
+    last = parts[-1]
+    merged = {**last, "start_step": parts[0]["start_step"], "preemptions": len(parts) - 1}
+    for key in ("losses", "step_times"):
+        merged[key] = [x for p in parts for x in p[key]]
+    for key in ("data_wait_s", "checkpoint_s", "loop_s"):
+        merged[key] = sum(p[key] for p in parts)
+    return merged
 
 
 def _check_data_fits(spec: JobSpec, index) -> None:

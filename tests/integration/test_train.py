@@ -12,11 +12,11 @@ from raylib.train.trainer import run
 pytestmark = [pytest.mark.ray]
 
 
-def tiny_spec(data: str, out, **sections) -> JobSpec:
+def tiny_spec(data_path: str, out, **sections) -> JobSpec:
     base = {
         "name": "t",
         "model": {"preset": "bert-tiny", "overrides": {"num_hidden_layers": 1}},
-        "data": {"path": data, "manifest": None},
+        "data": {"path": data_path, "manifest": None},
         "strategy": {"zero_stage": 2, "micro_batch_size": 8,
                      "optimizer": {"lr": 3e-3}, "lr_schedule": {"type": "constant"}},
         "scaling": {"num_workers": 2},

@@ -407,3 +407,34 @@ def test_overrides_are_validated_like_the_file(tmp_path):
         JobSpec.from_yaml(p, overrides=["strategy.zero_stagee=3"])
     with pytest.raises(SpecError, match="expected key=value"):
         JobSpec.from_yaml(p, overrides=["oops"])
+
+
+def test_data_tiers_are_validated_and_cache_dirs_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = JobSpec.from_dict({"data": {"tiers": [
+        {"name": "hot", "url": "/dev/shm/x", "capacity": "64MB", "bandwidth": "2GB"},
+        {"name": "warm", "url": "cache/warm", "capacity": 1 << 30}]}})
+    hot, warm = spec.data.tiers
+    assert hot.capacity == 64 * 2**20 and warm.capacity == 2**30
+    assert warm.url == str(tmp_path / "cache" / "warm"), "workers do not share the driver's cwd"
+    for tiers, fragment in [
+        ([{"name": "hot", "url": "/x", "capacity": 0}], "capacity must be positive"),
+        ([{"name": "hot", "url": "/x", "capacity": "lots"}], "capacity"),
+        ([{"name": "hot", "url": "/x"}], "data.tiers.0.capacity: Field required"),
+        ([{"name": "hot", "url": "s3://b/x", "capacity": 10}], "must be a node-local directory"),
+        ([{"name": "hot", "url": "/a", "capacity": 10}, {"name": "hot", "url": "/b", "capacity": 10}],
+         "tier names must be unique"),
+        ([{"name": "cold", "url": "/a", "capacity": 10}], "not 'cold'"),
+        ([{"name": "hot", "url": "/a", "capacity": 10, "speed": 1}], "data.tiers.0.speed: unknown key"),
+    ]:
+        with pytest.raises(SpecError, match=fragment):
+            JobSpec.from_dict({"data": {"tiers": tiers}})
+
+
+def test_checkpoint_section_rejects_impossible_values():
+    for section, fragment in [({"replicas": -1}, "checkpoint.replicas"),
+                              ({"max_store_fraction": 1.5}, "checkpoint.max_store_fraction"),
+                              ({"keep_in_memory": 0}, "checkpoint.keep_in_memory"),
+                              ({"persist": "s3://x"}, "checkpoint.persist: unknown key")]:
+        with pytest.raises(SpecError, match=fragment):
+            JobSpec.from_dict({"checkpoint": section})

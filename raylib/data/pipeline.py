@@ -1,0 +1,221 @@
+"""One rank's data path over the tiers: planned shard order -> prefetcher -> rows -> masked batches.
+
+Every rank knows its whole future (`planner.rank_sequence`: seeded, independent of timing), so a
+`Prefetcher` moves shards cold -> warm -> hot ahead of it and evicts by Belady. A background
+thread reads each hot copy (parquet, local), shuffles its rows with a per-(seed, epoch, shard)
+permutation, applies the MLM masking and queues ready torch micro-batches, so read, preprocess
+and the training step overlap; the step only waits when the queue is empty.
+
+Why not Ray Data's executor here: it schedules read tasks on its own (any node, any order), so
+it cannot follow a per-rank plan in which a shard is in the hot tier only for the window the
+plan gives it; the un-tiered path (`data.source`) still reads through Ray Data.
+
+Exact resume: the sequence is deterministic and row counts per shard are in index.json, so the
+number of rows a rank has consumed (steps x accumulation x micro-batch) locates the next unseen
+sample (shard position, row) without any saved iterator state; the state saved in checkpoints
+is that row count plus a fingerprint of what defines the order, checked on resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from raylib.data.planner import Access, rank_sequence
+from raylib.data.prefetch import PrefetchConfig, Prefetcher
+from raylib.data.source import MLMMasker
+from raylib.data.tiers import TieredStore, TierSpec, shards_from_index
+
+if TYPE_CHECKING:
+    from raylib.data.build import DatasetIndex
+    from raylib.spec import JobSpec
+
+_END = object()
+
+
+def dataset_fingerprint(index: DatasetIndex) -> str:
+    """Short id of a built dataset (its shards' checksums): cache tiers keep datasets apart."""
+    h = hashlib.sha256()
+    for s in index.shards:
+        h.update(f"{s['path']}:{s['sha256']}".encode())
+    return h.hexdigest()[:12]
+
+
+def tiered_store(spec: JobSpec, index: DatasetIndex) -> TieredStore:
+    """The node's tiers from `data.tiers`, with `data.path` as the cold (origin) tier."""
+    fp = dataset_fingerprint(index)
+    tiers = [TierSpec(name=t.name, url=os.path.join(t.url, fp), capacity=t.capacity,
+                      bandwidth=t.bandwidth) for t in spec.data.tiers]
+    tiers.append(TierSpec(name="cold", url=spec.data.path, storage_options=spec.data.storage_options))
+    return TieredStore(tiers, shards_from_index(index))
+
+
+def check_tiers(spec: JobSpec, index: DatasetIndex) -> None:
+    """Reject tier capacities that cannot work, before any cluster resource is reserved."""
+    if not spec.data.tiers:
+        return
+    try:
+        tiered_store(spec, index)
+    except ValueError as e:
+        raise ValueError(f"data.tiers: {e}") from None
+    # the ranks of a node split its tiers: each share must still hold a whole shard
+    sharing = min(spec.world_size, spec.placement.ranks_per_node or spec.world_size)
+    largest = max(int(s["bytes"]) for s in index.shards)
+    for t in spec.data.tiers:
+        if t.capacity // sharing < largest:
+            raise ValueError(
+                f"data.tiers ({t.name!r}).capacity {t.capacity} bytes is shared by up to {sharing} "
+                f"ranks per node: {t.capacity // sharing} bytes each, less than the largest shard "
+                f"({largest} bytes); raise it to at least {largest * sharing} bytes, or set "
+                "placement.ranks_per_node lower")
+
+
+class TieredPipeline:
+    """Endless masked-LM micro-batches for one rank, starting after `rows_done` rows.
+
+    `local_ranks`: ranks sharing this node's tiers; each plans with an equal share of them.
+    """
+
+    def __init__(self, spec: JobSpec, index: DatasetIndex, *, rank: int, world_size: int,
+                 micro_batch: int, rows_needed: int, rows_done: int = 0, local_ranks: int = 1,
+                 device: Any = None, queue_batches: int = 4):
+        self.index = index
+        self.micro = micro_batch
+        self.device = device
+        self.seed = spec.data.shuffle_seed
+        self.masker = MLMMasker(index, spec.data.mlm_probability, seed=spec.run.seed)
+        self.store = tiered_store(spec, index)
+        self.rows = {s["path"]: int(s["rows"]) for s in index.shards}
+        self.accesses = self._sequence(world_size, rank, rows_needed)
+        self.rows_done = rows_done
+        start, self._skip_rows = self._locate(rows_done)
+        p = spec.data.prefetch
+        caps = {t.name: t.capacity // max(1, local_ranks) for t in spec.data.tiers}
+        self.prefetcher = Prefetcher(self.store, self.accesses, PrefetchConfig(
+            concurrency=p.concurrency, lookahead=p.lookahead, retries=p.retries,
+            skip_corrupt=p.skip_corrupt, policy=p.policy, capacities=caps), start=start)
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_batches)
+        self._stop = threading.Event()
+        self._t0 = time.monotonic()
+        self.timeline: list[dict[str, Any]] = []
+        self.wait_s = 0.0
+        self._thread = threading.Thread(target=self._produce, name="raylib-pipeline", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------------------- consumer side
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        t = time.perf_counter()
+        item = self._queue.get()
+        self.wait_s += time.perf_counter() - t
+        if item is _END:
+            raise RuntimeError(f"the planned sequence ran out after {self.rows_done} rows "
+                               "(shards skipped as corrupt?)")
+        if isinstance(item, BaseException):
+            raise item
+        self.rows_done += self.micro
+        return item
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint needs to resume with the next unseen sample."""
+        return {"rows_done": self.rows_done, "order": self.order_fingerprint()}
+
+    def order_fingerprint(self) -> str:
+        """Changes with the dataset, the seed or the rank's share: not with the run's length."""
+        first = [a.shard for a in self.accesses if a.epoch == 0]
+        return hashlib.sha256(repr((dataset_fingerprint(self.index), self.seed, first)).encode()
+                              ).hexdigest()[:16]
+
+    def metrics(self) -> dict[str, Any]:
+        m = self.prefetcher.metrics()
+        m.pop("planned", None)
+        m["timeline"] = self.timeline
+        return m
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._thread.is_alive():  # unblock a producer waiting on a full queue
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(0.05)
+        self.prefetcher.close()
+
+    # ---------------------------------------------------------------------------- producer side
+    def _sequence(self, world_size: int, rank: int, rows_needed: int) -> list[Access]:
+        """Whole epochs of this rank's order until they hold `rows_needed` rows (plus one
+        shard: the masked batches are cut across shard boundaries)."""
+        names = [s["path"] for s in self.index.shards]
+        one = rank_sequence(names, self.seed, world_size, rank, epochs=1)
+        per_epoch = sum(self.rows[a.shard] for a in one)
+        epochs = max(1, -(-(rows_needed + max(self.rows.values())) // max(1, per_epoch)))
+        return rank_sequence(names, self.seed, world_size, rank, epochs=epochs)
+
+    def _locate(self, rows_done: int) -> tuple[int, int]:
+        """(position of the shard holding row `rows_done`, rows of it already consumed)."""
+        for a in self.accesses:
+            n = self.rows[a.shard]
+            if rows_done < n:
+                return a.pos, rows_done
+            rows_done -= n
+        raise ValueError(f"cannot resume after {self.rows_done} rows: the planned sequence holds fewer")
+
+    def _rows(self, access: Access, path: str) -> np.ndarray:
+        import pyarrow.parquet as pq
+
+        col = pq.read_table(path, columns=["input_ids"]).column("input_ids").combine_chunks()
+        ids = col.flatten().to_numpy().astype(np.int64).reshape(len(col), -1)  # packed: fixed length
+        rng = np.random.default_rng([self.seed, access.epoch, zlib.crc32(access.shard.encode())])
+        return ids[rng.permutation(len(ids))]
+
+    def _produce(self) -> None:
+        import torch
+
+        carry = np.empty((0, self.index.seq_len), dtype=np.int64)
+        try:
+            for access, path in self.prefetcher:
+                rows = self._rows(access, path)
+                if self._skip_rows:
+                    rows, self._skip_rows = rows[self._skip_rows:], 0
+                self._record(access)
+                carry = np.concatenate([carry, rows])
+                while len(carry) >= self.micro:
+                    batch, carry = carry[: self.micro], carry[self.micro:]
+                    masked = self.masker({"input_ids": batch})
+                    item = {k: torch.from_numpy(v).to(self.device) if self.device is not None
+                            else torch.from_numpy(v) for k, v in masked.items()}
+                    if not self._put(item):
+                        return
+                if self._stop.is_set():
+                    return
+            self._put(_END)
+        except BaseException as e:  # handed to the training loop, which raises it
+            self._put(e)
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _record(self, access: Access) -> None:
+        stats = self.store.stats()
+        self.timeline.append({
+            "t": round(time.monotonic() - self._t0, 4), "pos": access.pos, "epoch": access.epoch,
+            "bytes_moved": dict(stats["bytes_moved"]), "hits": self.prefetcher.served_from,
+            "step_wait_s": round(self.wait_s, 4),
+        })

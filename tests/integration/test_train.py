@@ -27,7 +27,8 @@ def tiny_spec(data_path: str, out, **sections) -> JobSpec:
     return JobSpec.from_dict(base)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+# ZeRO-1 runs in test_gang, ZeRO-2 (the default) in test_tiered_train: here the two ends.
+@pytest.mark.parametrize("stage", [0, 3])
 def test_zero_stages_train_and_agree(stage, tiny_dataset, tmp_path, ray_local):
     spec = tiny_spec(tiny_dataset, tmp_path, name=f"zero{stage}",
                      strategy={"zero_stage": stage})
@@ -54,21 +55,6 @@ def test_zero_stages_train_and_agree(stage, tiny_dataset, tmp_path, ray_local):
     assert ds_config["zero_optimization"]["stage"] == stage
     assert ds_config["train_batch_size"] == 16
     assert s["checkpoint_uri"] and str(run_dir) in s["checkpoint_uri"]
-
-
-def test_stop_and_start_resumes_from_checkpoint(tiny_dataset, tmp_path, ray_local):
-    first = run(tiny_spec(tiny_dataset, tmp_path, name="resume",
-                          run={"steps": 4}, checkpoint={"interval_steps": 2}), progress=False)
-    assert first.summary["steps"] == 4
-
-    second = run(tiny_spec(tiny_dataset, tmp_path, name="resume",
-                           run={"steps": 7}, checkpoint={"interval_steps": 2}), progress=False)
-    s = second.summary
-    assert s["start_step"] == 4, "the second run must continue after the first run's checkpoint"
-    assert s["steps"] == 7 and len(s["loss_curve"]) == 3
-    # The resumed model is the trained one, not a fresh init: its loss is far below the first
-    # run's initial loss (a fresh BERT starts at ~ln(vocab)).
-    assert s["loss_curve"][0] < first.summary["initial_loss"] - 0.2
 
 
 def test_infeasible_requests_fail_before_reserving(tiny_dataset, tmp_path, ray_local):

@@ -133,6 +133,7 @@ class GangSchedulerActor:
                     name=f"raylib-gang-{d.job.id}",
                 )
                 st.update(state="reserving", reason=None, plan=d.plan.to_dict(), since=self._now())
+                self.preempt_flags.discard(d.job.id)  # a re-queued job starts afresh
             elif isinstance(d, Preempt):
                 self._remove_group(d.job.id)
                 st.update(state="queued", reason=f"preempted: {d.reason}",

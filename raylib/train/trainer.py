@@ -72,6 +72,8 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True) -> Run
     with ProgressBar(spec.run.steps, enabled=progress) as bar:
         while True:  # once, or again after each preemption (resuming from its checkpoint)
             reservation = _reserve(spec, on_gpu, job_id) if spec.placement.gang else None
+            if reservation and reservation.preempt_requested():
+                continue  # preempted before its workers started: it is already queued again
             try:
                 trainer = TorchTrainer(
                     worker_loop,
@@ -100,9 +102,14 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True) -> Run
                 if reservation:
                     reservation.handoff()  # its accelerators go to the workers created now
                 result = trainer.fit()
-            finally:
+            except BaseException:
                 if reservation:
-                    reservation.release()  # after a preemption the job is already queued again
+                    reservation.release()
+                raise
+            # A preempted job is already queued again (and may even have been granted its gang
+            # anew): releasing it now would drop it from the queue.
+            if reservation and not result.return_value.get("preempted"):
+                reservation.release()
             parts.append({**result.return_value,
                           "planned_nodes": reservation.plan.rank_node if reservation else None})
             if not result.return_value.get("preempted"):

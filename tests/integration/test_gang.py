@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import pytest
@@ -116,6 +117,7 @@ def test_priority_preemption_and_requeue(gang):
     ray.get(gang.release.remote("high"))
     again = wait_state(gang, "low", "ready")
     assert len(set(again["plan"]["rank_node"])) == 4, "the re-queued job later runs whole"
+    assert not low.preempt_requested(), "granted again, the job is no longer told to stop"
 
 
 def test_infeasible_and_timeout_are_clear_and_leak_nothing(gang):
@@ -137,31 +139,74 @@ def test_infeasible_and_timeout_are_clear_and_leak_nothing(gang):
     assert live_groups() == before, "no placement group may be left behind"
 
 
-def test_deepspeed_run_placed_through_the_gang_scheduler(labelled_cluster, tiny_dataset, tmp_path):
+def test_deepspeed_run_placed_through_the_gang_scheduler_survives_a_preemption(
+        labelled_cluster, tiny_dataset, tmp_path):
+    """A 2-worker DeepSpeed run placed by the cluster-wide scheduler; a higher-priority gang
+    that needs every CPU arrives while it starts: the run checkpoints, gives its workers back,
+    waits in the queue, and finishes from its checkpoint once the other gang is done."""
     import ray
 
     from raylib import JobSpec
+    from raylib.placement.gang import scheduler
     from raylib.train.trainer import run
 
     spec = JobSpec.from_dict({
         "name": "gang-run",
         "model": {"preset": "bert-tiny", "overrides": {"num_hidden_layers": 1}},
-        "data": {"path": tiny_dataset, "manifest": None},
+        "data": {"path": tiny_dataset, "manifest": None,
+                 "tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "64KB"}]},
         "strategy": {"zero_stage": 1, "micro_batch_size": 8},
         "scaling": {"num_workers": 2, "use_gpu": False},
         "placement": {"gang": True, "timeout_s": 300},
-        "run": {"steps": 3, "log_every": 1, "output_dir": str(tmp_path)},
+        "run": {"steps": 40, "log_every": 2, "output_dir": str(tmp_path)},
     })
-    s = run(spec, progress=False).summary
-    assert s["steps"] == 3 and s["param_digests_agree"]
-    # The workers ran exactly on the nodes the gang scheduler planned, rank by rank.
+    gang = scheduler(resource="CPU")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        training = pool.submit(run, spec, progress=False)
+        job = wait_job(gang, lambda j, st: j.startswith("gang-run-") and st["state"] == "ready")
+        wait_train_workers(2)  # the run holds its CPUs (DeepSpeed starting; 40 steps to go)
+        ray.get(gang.submit.remote("everything", {"dp": 16}, 10))  # all 16 CPUs of the 4 nodes
+        # it gets them only once the run has checkpointed and stopped its workers
+        wait_state(gang, "everything", "ready")
+        assert ray.get(gang.poll.remote(job))["state"] == "queued"
+        ray.get(gang.release.remote("everything"))
+        s = training.result(timeout=600).summary
+
+    assert s["preemptions"] == 1
+    assert s["steps"] == 40 and s["start_step"] == 0 and len(s["loss_curve"]) == 40
+    assert s["param_digests_agree"]
+    # The workers of the resumed part ran exactly on the nodes the scheduler planned for it.
     assert s["rank_nodes"] == s["planned_nodes"]
     labelled = {n["NodeID"] for n in ray.nodes() if n["Labels"].get("leaf")}
     assert set(s["planned_nodes"]) <= labelled
     # The reservation was released: the cluster-wide scheduler holds nothing for the job.
-    gang = ray.get_actor("raylib-gang-scheduler-cpu", namespace="raylib")
-    assert all(st["state"] == "released" for st in ray.get(gang.jobs.remote()).values())
+    assert ray.get(gang.poll.remote(job))["state"] == "released"
+    assert ray.get(gang.placement_groups.remote()) == {}
     ray.kill(gang)
+
+
+def wait_train_workers(n: int, deadline_s=300) -> None:
+    from ray.util.state import list_actors
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        alive = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+        if len(alive) >= n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"fewer than {n} Ray Train workers came up")
+
+
+def wait_job(actor, where, deadline_s=300):
+    import ray
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        for job_id, st in ray.get(actor.jobs.remote()).items():
+            if where(job_id, st):
+                return job_id
+        time.sleep(0.05)
+    raise AssertionError(f"no job matched: {ray.get(actor.jobs.remote())}")
 
 
 def test_node_death_replans_the_reservation(gang, labelled_cluster):

@@ -8,11 +8,7 @@ Prints JSON. (1) planner: planning time and bytes per training step crossing eac
 shapes, against Ray PACK (ranks in order onto free GPUs in node order) on the same free GPUs.
 (2) simulator: the Philly trace through raylib (topology-aware, priorities, EASY backfill) vs
 FIFO (topology-aware, no backfill) vs ray-default (PACK, FIFO): average JCT, p95 queueing delay,
-utilisation, mean placement cost. (3) real cluster (`--gangs N`, default 100): a real
-multi-raylet Ray cluster (ray.cluster_utils.Cluster: 4 labelled nodes x 4 logical GPUs) where N
-gangs of 8 ranks (dp=4 x tp=2) are reserved and released one after the other through the gang
-scheduler actor, against plain Ray placement groups (PACK: create, ready, remove) on the same
-cluster: median / p95 seconds per reserve and per release.
+utilisation, mean placement cost.
 """
 
 from __future__ import annotations
@@ -118,59 +114,6 @@ def sim_bench(args) -> dict:
     return out
 
 
-def real_cluster_bench(gangs: int) -> dict:
-    import statistics
-
-    import ray
-    from ray.cluster_utils import Cluster
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    from raylib.placement.gang import GangSchedulerActor, on_head_node, reserve
-
-    def stats(xs: list[float]) -> dict:
-        xs = sorted(xs)
-        return {"median_s": round(statistics.median(xs), 4),
-                "p95_s": round(xs[min(len(xs) - 1, int(0.95 * len(xs)))], 4)}
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    for leaf in ("l0", "l0", "l1", "l1"):
-        cluster.add_node(num_cpus=2, num_gpus=4, labels={"leaf": leaf, "spine": "s0"})
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
-    try:
-        actor = ray.remote(GangSchedulerActor).options(
-            num_cpus=0, max_concurrency=32, scheduling_strategy=on_head_node()).remote(None, "GPU")
-        shape = Parallelism(dp=4, pp=1, tp=2)
-        raylib_reserve, raylib_release, ray_reserve, ray_release = [], [], [], []
-        for i in range(gangs):
-            t0 = time.perf_counter()
-            r = reserve(f"bench-{i}", shape, actor=actor, poll_s=0.01)
-            t1 = time.perf_counter()
-            r.release()
-            t2 = time.perf_counter()
-            pg = placement_group([{"GPU": 1}] * 8, strategy="PACK")
-            ray.get(pg.ready())
-            t3 = time.perf_counter()
-            remove_placement_group(pg)
-            t4 = time.perf_counter()
-            raylib_reserve.append(t1 - t0)
-            raylib_release.append(t2 - t1)
-            ray_reserve.append(t3 - t2)
-            ray_release.append(t4 - t3)
-        leaked = sum(1 for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED")
-        ray.get(actor.shutdown.remote())
-        out = {"gangs": gangs, "gang_shape": shape.model_dump(), "nodes": "4 x 4 logical GPUs, 2 leaves",
-               "raylib": {"reserve": stats(raylib_reserve), "release": stats(raylib_release)},
-               "ray_placement_group": {"reserve": stats(ray_reserve), "release": stats(ray_release)},
-               "placement_groups_left": leaked}
-        out["reserve_median_ratio"] = _ratio(out["raylib"]["reserve"]["median_s"],
-                                             out["ray_placement_group"]["reserve"]["median_s"])
-        return out
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=PHILLY)
@@ -179,13 +122,10 @@ def main() -> None:
     ap.add_argument("--sim-nodes", type=lambda s: [int(x) for x in s.split(",")], default=[32, 48])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-sim", action="store_true")
-    ap.add_argument("--gangs", type=int, default=100, help="gangs reserved on a real cluster (0: skip)")
     args = ap.parse_args()
     out = {"planner": planner_bench(args.seed)}
     if not args.skip_sim:
         out["simulator"] = sim_bench(args)
-    if args.gangs:
-        out["real_cluster"] = real_cluster_bench(args.gangs)
     print(json.dumps(out, indent=2))
 
 

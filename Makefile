@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup  ## BERT MLM pretraining: 2 Ray Train workers x DeepSpeed ZeRO-2 on an embedded Ray
-	$(VENV)/bin/raylib run jobs/configs/demo.yaml
+	$(VENV)/bin/raylib run jobs/configs/demo.yaml --embedded-s3
 
 test: setup  ## the whole suite: unit + integration (real Ray, real DeepSpeed on gloo)
 	$(PY) -m pytest tests

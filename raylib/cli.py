@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 
 
@@ -22,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--dry-run", action="store_true",
                        help="print the resolved spec and DeepSpeed JSON, start nothing")
     p_run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p_run.add_argument("--embedded-s3", metavar="DIR", nargs="?", const=".raylib/s3",
+                       help="serve s3:// data paths from a SeaweedFS started on loopback for this run "
+                            "(data in DIR, default .raylib/s3); local Ray cluster only")
 
     p_plan = sub.add_parser("plan", help="explain the topology-aware placement of a job")
     p_plan.add_argument("config", help="path to a JobSpec YAML")
@@ -89,7 +93,8 @@ def _run(args) -> int:
     import raylib
 
     try:
-        result = raylib.run(spec, address=args.address, progress=not args.no_progress)
+        with _embedded_s3(args, spec):
+            result = raylib.run(spec, address=args.address, progress=not args.no_progress)
     except KeyboardInterrupt:
         print("raylib: interrupted; the run's workers were stopped and its resources released",
               file=sys.stderr)
@@ -97,6 +102,22 @@ def _run(args) -> int:
     print(result.table())
     print(f"summary: {result.run_dir / 'summary.json'}")
     return 0
+
+
+def _embedded_s3(args, spec):
+    if not args.embedded_s3:
+        return contextlib.nullcontext()
+    if args.address or os.environ.get("RAY_ADDRESS"):
+        raise ValueError("--embedded-s3 serves S3 on this machine's loopback: use it with the local "
+                         "Ray cluster only (no --address / RAY_ADDRESS), or run `raylib storage serve` "
+                         "on an address the cluster can reach")
+    from urllib.parse import urlparse
+
+    from raylib.data.s3server import embedded_s3
+
+    urls = [spec.data.path, spec.checkpoint.persist_url or ""]
+    buckets = sorted({urlparse(u).netloc for u in urls if u.startswith("s3://")})
+    return embedded_s3(args.embedded_s3, buckets)
 
 
 def _plan(args) -> int:

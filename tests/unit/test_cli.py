@@ -206,3 +206,8 @@ def test_pretrain_bert_job_forwards_to_the_cli(monkeypatch):
                       "--set", "name=t2", "--address", "ray://head:10001"]]
     assert module.main([]) == 0
     assert calls[-1] == ["run", "jobs/configs/demo.yaml", "--no-progress"]
+
+
+def test_embedded_s3_refuses_a_remote_cluster_before_starting_anything(capsys):
+    assert cli.main(["run", "jobs/configs/demo.yaml", "--embedded-s3", "--address", "ray://h:10001"]) == 2
+    assert "--embedded-s3 serves S3 on this machine's loopback" in capsys.readouterr().err

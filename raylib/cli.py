@@ -115,8 +115,7 @@ def _embedded_s3(args, spec):
 
     from raylib.data.s3server import embedded_s3
 
-    urls = [spec.data.path, spec.checkpoint.persist_url or ""]
-    buckets = sorted({urlparse(u).netloc for u in urls if u.startswith("s3://")})
+    buckets = [urlparse(spec.data.path).netloc] if spec.data.path.startswith("s3://") else []
     return embedded_s3(args.embedded_s3, buckets)
 
 

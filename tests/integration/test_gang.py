@@ -161,16 +161,21 @@ def test_deepspeed_run_placed_through_the_gang_scheduler_survives_a_preemption(
         "run": {"steps": 40, "log_every": 2, "output_dir": str(tmp_path)},
     })
     gang = scheduler(resource="CPU")
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        training = pool.submit(run, spec, progress=False)
-        job = wait_job(gang, lambda j, st: j.startswith("gang-run-") and st["state"] == "ready")
-        wait_train_workers(2)  # the run holds its CPUs (DeepSpeed starting; 40 steps to go)
-        ray.get(gang.submit.remote("everything", {"dp": 16}, 10))  # all 16 CPUs of the 4 nodes
-        # it gets them only once the run has checkpointed and stopped its workers
-        wait_state(gang, "everything", "ready")
-        assert ray.get(gang.poll.remote(job))["state"] == "queued"
-        ray.get(gang.release.remote("everything"))
-        s = training.result(timeout=600).summary
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            training = pool.submit(run, spec, progress=False)
+            job = wait_job(gang, lambda j, st: j.startswith("gang-run-") and st["state"] == "ready")
+            wait_train_workers(2)  # the run holds its CPUs (DeepSpeed starting; 40 steps to go)
+            ray.get(gang.submit.remote("everything", {"dp": 16}, 10))  # all 16 CPUs of the 4 nodes
+            # it gets them only once the run has checkpointed and stopped its workers
+            wait_state(gang, "everything", "ready")
+            assert ray.get(gang.poll.remote(job))["state"] == "queued"
+            ray.get(gang.release.remote("everything"))
+            s = training.result(timeout=600).summary
+    except BaseException:
+        ray.get(gang.shutdown.remote())  # leave no reservation behind for the next test
+        ray.kill(gang)
+        raise
 
     assert s["preemptions"] == 1
     assert s["steps"] == 40 and s["start_step"] == 0 and len(s["loss_curve"]) == 40
@@ -186,15 +191,18 @@ def test_deepspeed_run_placed_through_the_gang_scheduler_survives_a_preemption(
 
 
 def wait_train_workers(n: int, deadline_s=300) -> None:
-    from ray.util.state import list_actors
+    """Until Ray Train's own placement group for the n workers exists (from the GCS: no
+    dashboard, so never another cluster's state on a shared host)."""
+    import ray
 
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        alive = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-        if len(alive) >= n:
-            return
+        for pg in ray.util.placement_group_table().values():
+            if (pg["state"] == "CREATED" and not pg["name"].startswith("raylib-gang")
+                    and len(pg["bundles"]) == n):
+                return
         time.sleep(0.1)
-    raise AssertionError(f"fewer than {n} Ray Train workers came up")
+    raise AssertionError(f"Ray Train never reserved its {n} workers")
 
 
 def wait_job(actor, where, deadline_s=300):

@@ -84,6 +84,12 @@ class GangSchedulerActor:
         with self.lock:
             self._remove_group(job_id)
 
+    def acknowledge(self, job_id: str) -> None:
+        """The job stopped after a preemption or re-plan and waits for its gang again: stop
+        telling it (until the next preemption)."""
+        with self.lock:
+            self.preempt_flags.discard(job_id)
+
     def preempt_requested(self, job_id: str) -> bool:
         with self.lock:
             return job_id in self.preempt_flags
@@ -133,7 +139,6 @@ class GangSchedulerActor:
                     name=f"raylib-gang-{d.job.id}",
                 )
                 st.update(state="reserving", reason=None, plan=d.plan.to_dict(), since=self._now())
-                self.preempt_flags.discard(d.job.id)  # a re-queued job starts afresh
             elif isinstance(d, Preempt):
                 self._remove_group(d.job.id)
                 st.update(state="queued", reason=f"preempted: {d.reason}",
@@ -238,8 +243,10 @@ def reserve(job_id: str, parallelism: Parallelism, *, priority: int = 0, tenant:
     import ray
 
     actor = actor or scheduler()
-    if job_id not in ray.get(actor.jobs.remote()):  # else: queued again after a preemption
+    if job_id not in ray.get(actor.jobs.remote()):
         ray.get(actor.submit.remote(job_id, parallelism.model_dump(), priority, tenant, timeout_s))
+    else:  # queued again after a preemption, and its workers have stopped
+        ray.get(actor.acknowledge.remote(job_id))
     while True:
         st = ray.get(actor.poll.remote(job_id))
         if st["state"] == "ready":

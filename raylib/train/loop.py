@@ -47,6 +47,7 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
     )
     checkpointer = checkpointing.Checkpointer(spec, config["run_dir"])
     start, state = checkpointer.restore(engine)
+    state = _own_state(state, rank)
     _restore_rng(state.get("rng"), on_gpu)
     accum = engine.gradient_accumulation_steps()
     micro = engine.train_micro_batch_size_per_gpu()
@@ -149,11 +150,25 @@ def _client_state(pipeline, on_gpu: bool) -> dict[str, Any]:
     """What a rank saves besides the engine: where its data stream is, and its RNG (dropout), so
     a resumed run continues exactly as an uninterrupted one would."""
     import torch
+    import torch.distributed as dist
 
     rng = {"torch": torch.get_rng_state().tolist()}
     if on_gpu:
         rng["cuda"] = torch.cuda.get_rng_state().tolist()
-    return {"data": pipeline.state() if pipeline else {}, "rng": rng}
+    mine = {"data": pipeline.state() if pipeline else {}, "rng": rng}
+    # DeepSpeed keeps the client state of one rank only (the writer of the model states): every
+    # rank's state goes in, each rank takes its own back on restore.
+    everyone: list[dict[str, Any] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {"ranks": everyone}
+
+
+def _own_state(state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """This rank's part of a restored client state ({} for a rank the checkpoint did not have)."""
+    ranks = state.get("ranks")
+    if ranks is None:
+        return state
+    return ranks[rank] if rank < len(ranks) else {}
 
 
 def _restore_rng(rng: dict[str, list[int]] | None, on_gpu: bool) -> None:

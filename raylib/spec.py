@@ -104,6 +104,9 @@ class DataSpec(_Section):
     """Seed of the per-epoch shuffle (of the shards' order, and of the rows without tiers)."""
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
     """fsspec options for `path` (s3://...: endpoint etc.; credentials come from the environment)."""
+    prefetch_batches: int = Field(4, ge=1)
+    """Micro-batches each rank prepares ahead of the training step (read, decode, mask): the
+    data-loader parallelism that hides input latency (autotuned by `raylib tune`)."""
     tiers: list[CacheTierSpec] = Field(default_factory=list)
     """Local cache tiers in front of `path`, fastest first (hot, then warm); `path` is the cold
     tier. Empty: read `path` directly with Ray Data. With tiers, every rank reads its planned
@@ -203,6 +206,21 @@ class CheckpointSpec(_Section):
     at_end: bool = True
     keep: int = Field(2, ge=1)
     """Checkpoints kept by Ray Train (oldest deleted first)."""
+    in_memory: bool = True
+    """Snapshot to the Ray object store (held by a keeper actor per node, replicated, persisted in
+    the background). False: DeepSpeed files written through Ray Train's storage (blocking)."""
+    replicas: int = Field(1, ge=0)
+    """Copies of each rank's snapshot on other nodes (0: only the local keeper's copy)."""
+    persist_url: str | None = None
+    """fsspec URL the snapshots are persisted to asynchronously (None: <run dir>/checkpoints)."""
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
+    """fsspec options for persist_url (credentials come from the environment)."""
+    keep_in_memory: int = Field(2, ge=1)
+    """Snapshots kept in the object store per run (oldest dropped first)."""
+    keep_persisted: int = Field(2, ge=1)
+    """Persisted snapshots kept at persist_url."""
+    max_store_fraction: float = Field(0.5, gt=0, le=1)
+    """Refuse a snapshot that would need more than this fraction of a node's object store."""
 
 
 class RunSpec(_Section):

@@ -1,9 +1,13 @@
-"""DeepSpeed checkpoints reported to Ray Train, and resume from the latest one.
+"""The loop's checkpoint seam: object-store checkpoints, or DeepSpeed files through Ray Train.
 
-This is the seam the object-store checkpoints replace: the loop only calls `save` and `restore`.
-Every rank saves its own ZeRO shards into a local directory; Ray Train merges the ranks'
-directories into one checkpoint in the run's storage and remembers the latest one, so starting
-the same run again (same name and output_dir) resumes from it.
+The loop only calls `Checkpointer.restore / save / close / metrics`. With checkpoint.in_memory
+(the default) the work is done by raylib.checkpoint (snapshots held by per-node keeper actors,
+replicated and persisted in the background; Ray Train keeps a small pointer). Without it, every
+rank saves its ZeRO shards into a local directory and Ray Train merges the ranks' directories into
+one checkpoint in the run's storage (blocking).
+
+Either kind of Ray Train checkpoint is restored whatever in_memory says now, so switching it
+between runs of the same name keeps resuming.
 """
 
 from __future__ import annotations
@@ -12,29 +16,44 @@ import shutil
 import tempfile
 from typing import Any
 
-TAG = "deepspeed"  # each Ray checkpoint directory holds one DeepSpeed tag
+TAG = "deepspeed"  # each Ray checkpoint directory of the blocking path holds one DeepSpeed tag
 
 
 class Checkpointer:
     """What the worker loop calls: `restore` once before training, `save` on every rank at each
-    checkpoint step, `close` at the end (waits for background work)."""
+    checkpoint step, `close` at the end (waits for background work), `metrics` for summary.json."""
 
     def __init__(self, spec, run_dir: str):
+        from raylib.checkpoint.checkpointer import ObjectStoreCheckpointer
+
         self.spec = spec
-        self.run_dir = run_dir
+        self.memory = ObjectStoreCheckpointer(spec, run_dir)
+        self.in_memory = spec.checkpoint.in_memory
 
     def restore(self, engine) -> tuple[int, dict[str, Any]]:
-        return restore(engine)
+        import ray.train
+
+        from raylib.checkpoint.checkpointer import read_pointer
+
+        checkpoint = ray.train.get_checkpoint()
+        pointer = read_pointer(checkpoint)
+        if self.in_memory or pointer is not None:
+            found = self.memory.restore(engine, pointer)
+            if found is not None:
+                return found
+        return restore(engine) if checkpoint is not None and pointer is None else (0, {})
 
     def save(self, engine, step: int, metrics: dict[str, Any], state: dict[str, Any]) -> None:
-        save(engine, step, metrics, state)
+        if self.in_memory:
+            self.memory.save(engine, step, metrics, state)
+        else:
+            save(engine, step, metrics, state)
 
     def close(self) -> None:
-        pass
+        self.memory.close()
 
     def metrics(self) -> dict[str, Any]:
-        """Counters for summary.json (kept empty by the blocking path)."""
-        return {}
+        return self.memory.metrics() if self.in_memory else {"mode": "ray-train"}
 
 
 def save(engine, step: int, metrics: dict[str, Any], state: dict[str, Any] | None = None) -> None:

@@ -429,3 +429,12 @@ def test_data_tiers_are_validated_and_cache_dirs_made_absolute(tmp_path, monkeyp
     ]:
         with pytest.raises(SpecError, match=fragment):
             JobSpec.from_dict({"data": {"tiers": tiers}})
+
+
+def test_checkpoint_section_rejects_impossible_values():
+    for section, fragment in [({"replicas": -1}, "checkpoint.replicas"),
+                              ({"max_store_fraction": 1.5}, "checkpoint.max_store_fraction"),
+                              ({"keep_in_memory": 0}, "checkpoint.keep_in_memory"),
+                              ({"persist": "s3://x"}, "checkpoint.persist: unknown key")]:
+        with pytest.raises(SpecError, match=fragment):
+            JobSpec.from_dict({"checkpoint": section})

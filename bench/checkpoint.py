@@ -1,0 +1,234 @@
+"""Checkpoint cost side by side: raylib in-memory vs DeepSpeed to local disk vs Ray Train async to S3.
+
+    python bench/checkpoint.py [--model bert-base] [--workers 2] [--rounds 3] [--zero-stage 2]
+
+Ray Train worker groups (same model, ZeRO stage, world size, data: random tokens) train and
+checkpoint after every step. The first alternates raylib-memory and deepspeed-disk, so that machine
+noise hits both alike; ray-train-async-s3 runs in a worker group of its own (Ray Train keeps the
+reports of a run in order: a report waits for the upload of the one before, which would charge the
+S3 upload to the next raylib checkpoint):
+
+  raylib-memory         raylib.train.checkpointing.Checkpointer, checkpoint.in_memory (keepers in
+                        the object store; serialised, replicated and persisted to S3 in the background)
+  deepspeed-disk        engine.save_checkpoint to a local-disk directory, synchronously
+  ray-train-async-s3    engine.save_checkpoint to a local directory + ray.train.report with
+                        checkpoint_upload_mode=ASYNC into an S3 storage_path
+
+"blocked" is the time the training loop waits per checkpoint, max over ranks (for raylib-memory:
+the copy to host memory, and any wait for an older snapshot still on its way to a keeper). The
+first round is a warm-up (keeper start, S3 connections) and not counted. A second worker group
+then resumes from what the first left, as after a crash (the first never closes its checkpointer):
+from the keepers' memory, from the local disk (its page cache is warm: the files were just
+written), from S3. "resume_s" is from the start of a restore to a loaded engine, max over ranks.
+S3 is an embedded SeaweedFS on loopback. Prints JSON on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints on import
+    from raylib import JobSpec  # noqa: E402
+
+VOCAB, SEQ = 1000, 128
+METHODS = ("raylib-memory", "deepspeed-disk", "ray-train-async-s3")
+TAG = "deepspeed"
+
+
+def bench_loop(config: dict) -> dict | None:
+    """One rank. Saving (config["methods"]): rounds x methods x (one step, one checkpoint).
+    Resuming (methods None): one restore from each source."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from raylib.checkpoint import deepspeed_io
+    from raylib.train.checkpointing import Checkpointer
+    from raylib.train.model import bert_config, build_model
+
+    spec = JobSpec.model_validate(config["spec"])
+    torch.set_num_threads(1)
+    model = build_model(bert_config(spec.model, VOCAB, SEQ), seed=0)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config["ds_config"])
+    memory = Checkpointer(spec, config["run_dir"])
+    gen = torch.Generator().manual_seed(dist.get_rank())
+
+    def train_step():
+        ids = torch.randint(0, VOCAB, (engine.train_micro_batch_size_per_gpu(), SEQ), generator=gen)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+
+    def timed(fn, *args) -> float:
+        t0 = time.perf_counter()
+        fn(*args)
+        return time.perf_counter() - t0
+
+    out: dict = {"params": sum(p.numel() for p in model.parameters())}
+    if config["methods"] is None:  # resume
+        pointer = config["pointer"]
+
+        def from_s3():
+            ckpt = ray.train.get_checkpoint()
+            with ckpt.as_directory() as d:
+                if engine.load_checkpoint(d, tag=TAG)[0] is None:
+                    raise RuntimeError(f"Ray Train's latest checkpoint {ckpt.path} is not the S3 one")
+
+        times = {"raylib-memory": timed(memory.memory.restore, engine, pointer),
+                 "deepspeed-disk": timed(engine.load_checkpoint, config["disk_dir"]),
+                 "ray-train-async-s3": timed(from_s3)}
+        out["resumed_from"] = memory.metrics()["restore_source"]
+        out["restore_phases"] = memory.metrics()["restore_phases_s"]
+    else:
+        memory.restore(engine)
+
+        def to_disk(step: int) -> None:
+            engine.save_checkpoint(config["disk_dir"], tag=f"step{step}", client_state={"step": step})
+
+        def async_s3(step: int) -> None:
+            local = deepspeed_io.scratch_dir(engine, "raylib-bench-")
+            engine.save_checkpoint(local, tag=TAG, client_state={"step": step})
+            ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(local),
+                             checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+                             delete_local_checkpoint_after_upload=True)
+
+        times = {m: [] for m in config["methods"]}
+        step = 0
+        for _ in range(config["rounds"]):
+            for method in config["methods"]:
+                train_step()
+                step += 1
+                if method == "raylib-memory":
+                    memory.save(engine, step, {"step": step}, {})
+                else:
+                    times[method].append(timed(to_disk if method == "deepspeed-disk" else async_s3, step))
+        train_step()
+        if "raylib-memory" in times:
+            memory.memory.settle()  # the keepers own every snapshot; no close(): they stay in memory
+            times["raylib-memory"] = memory.memory.blocked_s
+            out["pointer"] = {"run": memory.memory.store.run, "step": 0,
+                              "world_size": dist.get_world_size(), "persist_url": spec.checkpoint.persist_url}
+            nbytes = torch.tensor([memory.metrics()["bytes_per_snapshot"]], dtype=torch.float64)
+            dist.all_reduce(nbytes)  # every rank's part
+            out["snapshot_bytes"] = int(nbytes.item())
+            phases = [None] * dist.get_world_size()
+            dist.all_gather_object(phases, memory.metrics()["blocked_phases_s_mean"])
+            out["memory_phases"] = phases
+    names = sorted(times)
+    flat = torch.tensor([v for m in names for v in (times[m] if isinstance(times[m], list) else [times[m]])],
+                        dtype=torch.float64)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    if dist.get_rank() != 0:
+        return None
+    values, i = flat.tolist(), 0
+    for m in names:
+        n = len(times[m]) if isinstance(times[m], list) else 1
+        out[m] = values[i:i + n] if isinstance(times[m], list) else values[i]
+        i += n
+    return out
+
+
+def spec_for(args, out: str, name: str, persist_url: str, storage_options: dict) -> JobSpec:
+    return JobSpec.from_dict({
+        "name": name,
+        "model": {"preset": args.model},
+        "data": {"path": out, "manifest": None},  # unused: the bench trains on random tokens
+        "strategy": {"zero_stage": args.zero_stage, "micro_batch_size": args.micro_batch,
+                     "lr_schedule": {"type": "constant"}},
+        "scaling": {"num_workers": args.workers},
+        "checkpoint": {"persist_url": persist_url, "storage_options": storage_options,
+                       "keep_in_memory": 2, "max_store_fraction": 0.9},
+        "run": {"output_dir": out},
+    })
+
+
+def fit(args, spec: JobSpec, storage, disk_dir: str, **extra) -> dict:
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raylib.train.strategy import resolve_ds_config
+
+    path, fs = storage
+    trainer = TorchTrainer(
+        bench_loop,
+        train_loop_config={"spec": spec.model_dump(mode="json"), "ds_config": resolve_ds_config(spec),
+                           "run_dir": str(spec.run_dir()), "disk_dir": disk_dir, **extra},
+        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=args.workers),
+        run_config=ray.train.RunConfig(name=spec.name, storage_path=path, storage_filesystem=fs,
+                                       checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2)),
+    )
+    return trainer.fit().return_value
+
+
+def main() -> str:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="bert-base")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--zero-stage", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="checkpoints per method (plus a warm-up one)")
+    ap.add_argument("--object-store-gb", type=float, default=6.0)
+    args = ap.parse_args()
+
+    import pyarrow.fs
+
+    from raylib import runtime
+    from raylib.data.s3server import SeaweedFS
+
+    if not (os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")):
+        os.environ["AWS_ACCESS_KEY_ID"] = "raylibbench" + secrets.token_hex(4)
+        os.environ["AWS_SECRET_ACCESS_KEY"] = secrets.token_hex(20)
+    runtime.connect(num_cpus_needed=args.workers, log_to_driver=False,
+                    object_store_memory=int(args.object_store_gb * 2**30))
+    with tempfile.TemporaryDirectory(prefix="raylib-bench-ckpt-") as tmp, SeaweedFS(Path(tmp) / "s3") as s3:
+        s3.filesystem().mkdir("bench")
+        arrow_s3 = pyarrow.fs.S3FileSystem(
+            access_key=os.environ["AWS_ACCESS_KEY_ID"], secret_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+            endpoint_override=s3.endpoint, region="us-east-1")
+        local, s3_storage = (tmp, None), ("bench/ray-train", arrow_s3)
+        disk_dir = os.path.join(tmp, "disk")
+        spec = spec_for(args, tmp, "bench-memory-disk", "s3://bench/raylib", s3.storage_options())
+        saved = fit(args, spec, local, disk_dir, methods=METHODS[:2], rounds=args.rounds + 1)
+        spec = spec_for(args, tmp, "bench-async-s3", "s3://bench/raylib", s3.storage_options())
+        saved.update(fit(args, spec, s3_storage, disk_dir, methods=METHODS[2:], rounds=args.rounds + 1))
+        resumed = fit(args, spec, s3_storage, disk_dir, methods=None, pointer=saved["pointer"])
+
+    blocked = {m: statistics.median(saved[m][1:]) for m in METHODS}  # the first round warms up
+    return json.dumps({
+        "benchmark": "checkpoint",
+        "model": args.model, "parameters": saved["params"],
+        "snapshot_bytes": saved["snapshot_bytes"],
+        "zero_stage": args.zero_stage, "world_size": args.workers, "rounds": args.rounds,
+        "blocked_s": {m: saved[m] for m in METHODS},
+        "blocked_s_median": blocked,
+        "raylib_memory_blocked_phases_s_mean": saved["memory_phases"],
+        "resume_s": {m: resumed[m] for m in METHODS},
+        "memory_resumed_from": resumed["resumed_from"],
+        "raylib_memory_restore_phases_s_rank0": resumed["restore_phases"],
+        "blocked_ratio_memory_vs_disk": blocked["raylib-memory"] / blocked["deepspeed-disk"],
+        "blocked_ratio_memory_vs_async_s3": blocked["raylib-memory"] / blocked["ray-train-async-s3"],
+        "target_blocked_ratio_vs_disk": 0.10,
+        "resume_speedup_memory_vs_s3": resumed["ray-train-async-s3"] / resumed["raylib-memory"],
+        "target_resume_speedup": 5.0,
+    }, indent=2)
+
+
+if __name__ == "__main__":
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout: keep it for the JSON
+        report = main()
+    print(report)

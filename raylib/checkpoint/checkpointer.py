@@ -1,0 +1,315 @@
+"""Object-store checkpoints inside the training loop (checkpoint.in_memory: true).
+
+Every checkpoint step, each rank copies DeepSpeed's state dicts to host memory (deepspeed_io.capture:
+a memcpy per tensor, no serialisation) and goes on training while a background thread puts the copy
+into the object store and hands it to its node's keeper (handoff.py). The keeper serialises,
+replicates and persists in the background. Rank 0 reports a small *pointer* checkpoint to Ray Train
+({run, step, world_size, persist_url}), so Ray Train's bookkeeping, get_checkpoint() and Tune keep
+working. The pointer is reported before the other ranks' parts have reached their keepers, so it is
+only a hint: restore loads the newest step that is complete, whatever the pointer says.
+
+Restoring after a restart, every rank must load the same step, so the choice is collective: rank 0
+lists the complete steps (newest first) and broadcasts them; for each, every rank fetches what it
+needs from the fastest copy, and the step is loaded only if all ranks succeeded (else a warning
+and the previous one). Saving involves no collective beyond DeepSpeed's own: a snapshot the
+object store cannot take is written to persist_url by its rank alone (handoff.py), so no rank
+ever waits in a collective that another skipped.
+
+Run keys: `<name>-<hash of the run dir>-<fit>`, one per TorchTrainer.fit. A restarted worker group
+of the same fit first looks at its own key: Ray Train registers a reported checkpoint only when its
+controller next polls the workers, so a worker killed right after a save can leave the pointer one
+checkpoint behind (or absent) while the snapshot itself is complete in the keepers. Failing that,
+a new fit resumes from the key named by Ray Train's pointer (the previous fit's), and with neither
+it starts afresh: leftovers of earlier fits in the same run directory are never read, and freed.
+A pointer of this fit with no complete step behind it (a rank died before its first part reached a
+keeper) is a fresh start with a warning; one of a previous fit with nothing usable is an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import replace
+from typing import Any
+
+from raylib.checkpoint import deepspeed_io
+from raylib.checkpoint.capture import Flat
+from raylib.checkpoint.handoff import Handoff
+from raylib.checkpoint.keeper import StorePolicy
+from raylib.checkpoint.store import SOURCES, CheckpointStore, first_usable
+
+log = logging.getLogger(__name__)
+
+POINTER = "raylib-checkpoint.json"
+MAX_PENDING = 2  # snapshots on their way to a keeper at once (each a host copy held by this rank)
+
+
+def read_pointer(checkpoint) -> dict[str, Any] | None:
+    """The pointer in a Ray Train checkpoint (None: none, or a DeepSpeed checkpoint directory)."""
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as directory:
+        path = os.path.join(directory, POINTER)
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+
+def fit_id() -> str:
+    """The same in every worker-group attempt of one TorchTrainer.fit, new for the next fit."""
+    import ray
+
+    try:  # Train V2 keeps one run id per fit in its (developer-level) train run context
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().train_run_context.run_id[:12]
+    except (ImportError, AttributeError, RuntimeError):  # outside Train V2: the driver's job is the scope
+        return ray.get_runtime_context().get_job_id()
+
+
+def policy_of(spec, run_dir: str) -> StorePolicy:
+    c = spec.checkpoint
+    return StorePolicy(
+        persist_url=c.persist_url or os.path.join(run_dir, "checkpoints"),
+        storage_options=dict(c.storage_options), keep_in_memory=c.keep_in_memory,
+        keep_persisted=c.keep_persisted, replicas=c.replicas, max_store_fraction=c.max_store_fraction,
+    )
+
+
+class ObjectStoreCheckpointer:
+    def __init__(self, spec, run_dir: str):
+        import torch.distributed as dist
+
+        self.spec = spec
+        self.policy = policy_of(spec, run_dir)
+        self.family = f"{spec.name}-{hashlib.sha1(str(run_dir).encode()).hexdigest()[:8]}-"
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.store: CheckpointStore | None = None
+        self._blocked: list[float] = []
+        self._bytes = 0
+        self._refused: list[str] = []
+        self._replicas: list[str] | None = None
+        self._restored: dict[str, Any] = {"restore_source": None, "restore_s": None, "restored_step": None,
+                                          "restored_from": None, "restore_phases_s": None}
+        self._flushed: dict[str, Any] = {}
+        self._pending: list[Handoff] = []  # snapshots the keeper has not answered for yet
+        self._device = None
+        self._phases: dict[str, float] = {}
+
+    # -- collectives ----------------------------------------------------------------------------
+
+    def _reduce(self, device, values: list[float], op: str) -> list[float]:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        return t.tolist()
+
+    def _from_rank0(self, value):
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # -- restore --------------------------------------------------------------------------------
+
+    def restore(self, engine, pointer: dict[str, Any] | None) -> tuple[int, dict[str, Any]] | None:
+        """Load the newest complete checkpoint of this fit, else of the fit the pointer names:
+        (next step, state); None when there is none (a fresh start)."""
+        t0 = time.perf_counter()
+        self.store = CheckpointStore(self.family + fit_id(), self.policy)
+        readers = [self.store]
+        if pointer is not None and pointer["run"] != self.store.run:
+            readers.append(CheckpointStore(pointer["run"],
+                                           replace(self.policy, persist_url=pointer["persist_url"])))
+        found, tried, listed = None, [], set()
+        for reader, persisted in ((r, p) for r in readers for p in (None, True)):
+            # persist_url is listed only if the keepers cannot offer the newest step, or if every
+            # step they offered was unusable (and once per run: listing S3 takes time)
+            if reader.run in listed:
+                continue
+            with self._phase("restore_plan"):
+                candidates, with_persisted = self._from_rank0(
+                    (reader.complete_steps(persisted), reader.listed_persisted) if self.rank == 0 else None)
+            if with_persisted:
+                listed.add(reader.run)
+            candidates = [c for c in candidates if (reader.run, c) not in tried]
+            tried += [(reader.run, c) for c in candidates]
+            if candidates and (found := self._load_newest(engine, reader, candidates)) is not None:
+                self._restored = {"restore_source": found[2], "restored_step": found[0],
+                                  "restore_s": time.perf_counter() - t0, "restored_from": reader.run,
+                                  "restore_phases_s": {k: v for k, v in self._phases.items()
+                                                       if k.startswith("restore_")}}
+                break
+        if found is None and pointer is not None and pointer["run"] == self.store.run:
+            log.warning("Ray Train's latest checkpoint points to step %d of this run, but no rank's "
+                        "set of parts for it (or any earlier step) was complete when the worker group "
+                        "failed: starting afresh", pointer["step"])
+        elif found is None and pointer is not None:
+            raise RuntimeError(
+                f"Ray Train's latest checkpoint points to {pointer['run']} step {pointer['step']}, but "
+                f"no complete copy of any checkpoint of that run survives in the keepers' memory or at "
+                f"{pointer['persist_url']}; restore the persisted files, or start the run afresh "
+                "(remove its run directory)"
+            )
+        if self.rank == 0:  # loaded (or nothing to load): other fits' memory copies are dead weight
+            self.store.drop_others(self.family)
+        return found[:2] if found else None
+
+    def _load_newest(self, engine, reader: CheckpointStore, candidates: list[tuple[int, int]]):
+        """(step, state, source) of the newest candidate all ranks could fetch, loaded; or None."""
+        scratch = deepspeed_io.scratch_dir(engine, "raylib-restore-")
+        try:
+            def fetch(step: int, saved_world: int):
+                directory = tempfile.mkdtemp(dir=scratch)
+                with self._phase("restore_fetch"):
+                    return (directory, *self._fetch(reader, step, saved_world, directory))
+
+            def agree(ok: bool) -> bool:
+                with self._phase("restore_agree"):
+                    return bool(self._reduce(engine.device, [ok], "MIN")[0])
+
+            found = first_usable(candidates, fetch, agree, reader.run)
+            if found is None:
+                return None
+            step, saved_world, (directory, state, source) = found
+            with self._phase("restore_load"):
+                self._load(engine, directory, step, saved_world)
+            return step, state, source
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _fetch(self, reader: CheckpointStore, step: int, saved_world: int,
+               directory: str) -> tuple[dict[str, Any], str]:
+        holders = reader.holders()
+        if saved_world == self.world:  # own part, and the weights rank 0 wrote for everyone
+            own = reader.fetch(step, self.rank, directory, holders=holders)
+            sources = [own.source]
+            if self.rank != 0:
+                sources.append(reader.fetch(step, 0, directory, deepspeed_io.shared, holders).source)
+            return dict(own.meta.get("state") or {}), max(sources, key=SOURCES.index)
+        # another world size: every old rank's files, for the universal conversion. The client
+        # state is returned as saved (the loop's {"ranks": [...]}, the same in every part).
+        parts = [reader.fetch(step, r, directory, holders=holders) for r in range(saved_world)]
+        return dict(parts[0].meta.get("state") or {}), max((p.source for p in parts), key=SOURCES.index)
+
+    def _load(self, engine, directory: str, step: int, saved_world: int) -> None:
+        files = [os.path.relpath(os.path.join(r, n), directory)
+                 for r, _, names in os.walk(directory) for n in names]
+        if saved_world != self.world and deepspeed_io.needs_universal(files):
+            log.warning("resuming step %d saved by %d ranks on %d ranks: converting to a DeepSpeed "
+                        "universal checkpoint", step, saved_world, self.world)
+            deepspeed_io.load_universal(engine, directory, step)
+        else:
+            deepspeed_io.load(engine, directory, step)
+
+    # -- save -----------------------------------------------------------------------------------
+
+    def save(self, engine, step: int, metrics: dict[str, Any], state: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        self._reap()
+        self._device = engine.device
+        with self._phase("capture"):
+            captured = deepspeed_io.capture(engine, step, state)
+        self._bytes = sum(p.nbytes if isinstance(p, Flat) else len(p) for p in captured.values())
+        handoff = Handoff(self.store, self.rank, self.world, step, captured, self._bytes, {"state": state},
+                          self._refused)
+        handoff.start()
+        self._pending.append(handoff)
+        with self._phase("report"):
+            self._report(metrics, step)
+        self._blocked.append(time.perf_counter() - t0)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """Time spent in `name`, summed (metrics: where the blocked and the restore time go)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._phases[name] = self._phases.get(name, 0.0) + time.perf_counter() - t0
+
+    def _reap(self, everything: bool = False) -> None:
+        """Settle the handoffs that are done (every one with `everything`), and the oldest ones
+        beyond MAX_PENDING: each holds a host copy of its snapshot (bounded memory)."""
+        with self._phase("keeper_wait"):
+            while self._pending and (everything or self._pending[0].done()
+                                     or len(self._pending) >= MAX_PENDING):
+                h = self._pending.pop(0)
+                h.settle()
+                self._replicas = h.replicas if h.replicas is not None else self._replicas
+
+    def settle(self) -> None:
+        """Wait until every snapshot taken is the keeper's (or written to persist_url)."""
+        self._reap(everything=True)
+
+    def _report(self, metrics: dict[str, Any], step: int) -> None:
+        import ray.train
+
+        if self.rank != 0:
+            ray.train.report(metrics)
+            return
+        pointer = {"run": self.store.run, "step": step, "world_size": self.world,
+                   "persist_url": self.policy.persist_url}
+        directory = tempfile.mkdtemp(prefix="raylib-pointer-")
+        with open(os.path.join(directory, POINTER), "w") as f:
+            json.dump(pointer, f)
+        # uploaded in the background: a pointer Ray Train misses is found in the keepers anyway
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+                         delete_local_checkpoint_after_upload=True)
+
+    def close(self) -> None:
+        """Wait for background persistence, then free this rank's parts up to the newest persisted
+        step from memory (a finished run's checkpoints stay at persist_url only). The fit
+        this one resumed from is removed from persist_url once this one has a checkpoint there."""
+        if self.store is None or not self._blocked:
+            return
+        self.settle()
+        self._bytes = int(self._reduce(self._device, [self._bytes], "SUM")[0])  # all ranks' parts
+        self._flushed = self.store.flush()
+        self._flushed["persisted"] = sorted(self.store.persisted.complete_steps())
+        for error in self._flushed["errors"]:
+            log.warning("checkpoint %s: %s", self.store.run, error)
+        if self._flushed["persisted"]:  # superseded or safe on persist_url
+            self.store.drop(rank=self.rank, upto=self._flushed["persisted"][-1])
+        previous = self._restored["restored_from"]
+        if self.rank == 0 and previous not in (None, self.store.run) and self._flushed["persisted"]:
+            # the fit this one resumed from is superseded by a complete persisted checkpoint
+            CheckpointStore(previous, self.policy).persisted.remove_all()
+
+    @property
+    def blocked_s(self) -> list[float]:
+        """Seconds each save held training up (its host copy, and waiting for older handoffs)."""
+        return list(self._blocked)
+
+    def metrics(self) -> dict[str, Any]:
+        b = self._blocked
+        if self._replicas is None:
+            replicas = None
+        elif self._replicas:
+            replicas = len(self._replicas)
+        else:
+            replicas = "none (checkpoint.replicas: 0)" if not self.policy.replicas else "none (one node)"
+        return {
+            "mode": "memory", "snapshots": len(b),
+            "blocked_s_mean": sum(b) / len(b) if b else None, "blocked_s_max": max(b, default=None),
+            "blocked_phases_s_mean": {k: v / len(b) for k, v in self._phases.items()
+                                      if not k.startswith("restore_")} if b else None,
+            "bytes_per_snapshot": self._bytes, "replicas": replicas, "refused": len(self._refused),
+            "refused_first": self._refused[0] if self._refused else None,
+            "persist_url": self.policy.persist_url,
+            "persisted_steps": self._flushed.get("persisted"),
+            "persist_errors": self._flushed.get("errors"),
+            "run": self.store.run if self.store else None,
+            **self._restored,
+        }

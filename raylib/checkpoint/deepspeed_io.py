@@ -1,0 +1,147 @@
+"""A DeepSpeed engine's state as snapshots, and back from files: partial restores, universal resize.
+
+A snapshot is engine.save_checkpoint (a per-step tag) run with `CaptureEngine` as DeepSpeed's
+checkpoint engine: DeepSpeed builds every state dict of its format (ZeRO shards, optimizer,
+scheduler, RNG, client state) and hands each to the capture engine, which keeps a host copy of it
+(capture.py) instead of pickling it to a file; the keepers later serialise them into exactly the
+files DeepSpeed would have written, which restores (and the universal converter) read. Which
+files a rank writes, and which it reads back at the same world size:
+
+* ZeRO-0/1/2: rank 0 writes mp_rank_00_model_states.pt (the weights every rank loads) and each rank
+  writes zero_pp_rank_<r>_mp_rank_00_optim_states.pt (the optimizer shard only rank r loads);
+* ZeRO-3: each rank writes its own zero_pp_rank_<r>_* model and optimizer files.
+
+So rank r needs its own part plus rank 0's files that are not a per-rank ZeRO file (`shared`).
+At another world size ZeRO-1/2/3 shards do not load: the old ranks' files are gathered and
+converted with deepspeed.checkpoint.ds_to_universal, then loaded as a universal checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import re
+import shutil
+import tempfile
+from typing import Any
+
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+from raylib.checkpoint.capture import Flat, flatten
+
+PER_RANK = re.compile(r"(^|/)zero_pp_rank_\d+_")  # ZeRO's per-rank files
+RAM_DISK = "/dev/shm"
+
+
+def tag(step: int) -> str:
+    return f"global_step{step}"
+
+
+def shared(rel: str) -> bool:
+    """A file of rank 0's part that every rank loads at the same world size."""
+    return not PER_RANK.search(rel)
+
+
+def needs_universal(files: list[str]) -> bool:
+    """ZeRO-partitioned state (stages 1-3) only loads at its own world size."""
+    return any(PER_RANK.search(f) for f in files)
+
+
+def _estimate_bytes(engine) -> int:
+    # fp32 weights + Adam's two moments + a fp32 master copy: an upper bound of one rank's files
+    return 16 * sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+
+
+def scratch_dir(engine, prefix: str = "raylib-restore-") -> str:
+    """A fresh directory on the RAM disk when it has room for a checkpoint, else in the temp dir."""
+    root = None
+    if os.path.isdir(RAM_DISK):
+        st = os.statvfs(RAM_DISK)
+        if st.f_bavail * st.f_frsize > 2 * _estimate_bytes(engine):
+            root = RAM_DISK
+    return tempfile.mkdtemp(prefix=prefix, dir=root)
+
+
+class CaptureEngine(CheckpointEngine):
+    """A DeepSpeed checkpoint engine that keeps the state dicts it is asked to save."""
+
+    def __init__(self, root: str):
+        super().__init__()
+        self.name = "raylib-capture"
+        self.root = root
+        self.captured: dict[str, Flat] = {}
+
+    def create(self, info) -> None:
+        pass
+
+    def save(self, state_dict, path: str) -> None:
+        self.captured[os.path.relpath(path, self.root)] = flatten(state_dict)
+
+    def load(self, path: str, map_location=None):
+        raise RuntimeError("the capture engine only saves")
+
+    def commit(self, info) -> bool:
+        return True
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # else DeepSpeed clones every tensor first; flatten copies each once
+
+
+def capture(engine, step: int, state: dict[str, Any]) -> dict[str, Any]:
+    """Snapshot the engine (every rank must call: save_checkpoint has barriers): {relative path:
+    Flat} for the state dicts, {relative path: bytes} for the small plain files DeepSpeed writes
+    itself (`latest`, its recovery scripts)."""
+    directory = tempfile.mkdtemp(prefix="raylib-capture-")
+    previous, engine.checkpoint_engine = engine.checkpoint_engine, CaptureEngine(directory)
+    try:
+        engine.save_checkpoint(directory, tag=tag(step), client_state={"step": step, "state": state})
+        captured: dict[str, Any] = dict(engine.checkpoint_engine.captured)
+        for root, _, names in os.walk(directory):
+            for name in names:
+                with open(os.path.join(root, name), "rb") as f:
+                    captured[os.path.relpath(os.path.join(root, name), directory)] = f.read()
+        return captured
+    finally:
+        engine.checkpoint_engine = previous
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def load(engine, directory: str, step: int) -> None:
+    """Load tag(step) from `directory` saved at this world size."""
+    path, _ = engine.load_checkpoint(directory, tag=tag(step))
+    if path is None:
+        raise RuntimeError(f"DeepSpeed found no checkpoint {tag(step)!r} in {directory}")
+
+
+def load_universal(engine, directory: str, step: int) -> None:
+    """Convert tag(step) in `directory` (every old rank's files) to a universal checkpoint and
+    load it at this world size.
+
+    DeepSpeed reads `checkpoint.load_universal` from the engine's config only inside
+    load_checkpoint, so the flag is switched on for this one load instead of at initialize (the
+    loop does not know before restoring whether the world size changed).
+    """
+    from deepspeed.checkpoint import ds_to_universal
+
+    out = tempfile.mkdtemp(prefix="raylib-universal-", dir=os.path.dirname(directory))
+    try:
+        args = argparse.Namespace(
+            input_folder=os.path.join(directory, tag(step)),
+            output_folder=os.path.join(out, tag(step)),
+            num_extract_workers=1, num_merge_workers=1,  # in this process: workers may not fork
+            keep_temp_folder=False, strict=True,
+            inject_missing_state=True,  # plain (non-Megatron) models carry no universal info
+        )
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            ds_to_universal.main(args)
+        engine._config.load_universal_checkpoint = True
+        try:
+            path, _ = engine.load_checkpoint(out, tag=tag(step))
+        finally:
+            engine._config.load_universal_checkpoint = False
+        if path is None:
+            raise RuntimeError(f"DeepSpeed did not load the universal checkpoint in {out}")
+    finally:
+        shutil.rmtree(out, ignore_errors=True)

@@ -1,0 +1,79 @@
+"""A rank's snapshot on its way to the keeper, off the training path.
+
+The snapshot is already a host copy (capture.py), so training goes on at once. A background thread
+puts it into the object store (objects this rank owns) and waits until the node's keeper owns its
+own copy. If the rank dies before that, this snapshot is lost and a restart uses the previous one:
+the keepers only ever hold whole parts, and a step counts only when every rank's part is held.
+
+Whatever goes wrong on the way (the keeper refuses it because its node's checkpoint budget in the
+object store would overflow, the keeper is gone, the store is full), the snapshot is not lost: the
+same thread writes it to persist_url, with a warning that says why. Each rank decides for its own
+part and no collective is involved, so no rank can be left waiting for another.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from raylib.checkpoint.capture import Flat, serialize, to_arrays
+
+log = logging.getLogger(__name__)
+
+PUT_TIMEOUT_S = 600.0  # a keeper that takes longer is treated as gone
+
+
+class Handoff:
+    """One snapshot: start() it, settle() later (waits for the thread)."""
+
+    def __init__(self, store, rank: int, world: int, step: int, captured: dict[str, Any], nbytes: int,
+                 meta: dict[str, Any], failures: list[str]):
+        self.store, self.rank, self.world, self.step = store, rank, world, step
+        self.captured, self.nbytes, self.meta = captured, nbytes, meta
+        self.failures = failures  # shared with the checkpointer: what fell back to a direct write
+        self.replicas: list[str] | None = None
+        self.thread = threading.Thread(target=self._run, name=f"ckpt-handoff-{step}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _parts(self) -> dict[str, Any]:
+        return {rel: (p.skeleton, to_arrays(p.tensors)) if isinstance(p, Flat) else p
+                for rel, p in self.captured.items()}
+
+    def _run(self) -> None:
+        import numpy as np
+        import ray
+
+        try:
+            try:
+                refs = {rel: ray.put(v if isinstance(v, tuple) else np.frombuffer(v, dtype=np.uint8))
+                        for rel, v in self._parts().items()}
+                answer = self.store.put(self.step, self.rank, self.world, refs, self.nbytes, self.meta)
+                self.replicas = ray.get(answer, timeout=PUT_TIMEOUT_S)["replicas"]
+            except Exception as e:  # refused, keeper gone, store full: write it out instead
+                self._fall_back(e)
+        except Exception as e:  # the fallback failed too: this snapshot is lost, training goes on
+            log.warning("checkpoint of step %d (rank %d) lost: %s", self.step, self.rank, e)
+            self.failures.append(f"step {self.step}: lost: {e}")
+        finally:
+            self.captured = None  # the host copy is the keeper's (or persisted) now
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def settle(self) -> float:
+        """Wait for the keeper's copy (or the fallback write); returns the seconds waited."""
+        t0 = time.perf_counter()
+        self.thread.join()
+        return time.perf_counter() - t0
+
+    def _fall_back(self, error: BaseException) -> None:
+        reason = getattr(error, "cause", None) or error  # the StoreFullError inside a RayTaskError
+        log.warning("in-memory checkpoint of step %d not taken: %s. Writing it to %s instead.",
+                    self.step, reason, self.store.policy.persist_url)
+        self.failures.append(f"step {self.step}: {reason}")
+        files = {rel: serialize(*p) if isinstance(p, tuple) else p for rel, p in self._parts().items()}
+        self.store.persist_now(self.step, self.rank, self.world, files, self.meta)

@@ -1,0 +1,380 @@
+"""Object-store checkpoints on a real multi-raylet Ray cluster: keepers, replicas, persistence, chaos.
+
+One cluster for the module (a head and two worker nodes, each with its own raylet and object
+store). The store-level tests save small parts from tasks pinned to chosen nodes; the training
+tests run BERT (1 layer) with 2 Ray Train workers x DeepSpeed and kill a worker mid-run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+
+import pytest
+
+from tests.integration.conftest import connect_driver
+from tests.integration.ray_head import free_port
+
+pytestmark = [pytest.mark.ray]
+
+STORE_MB = 150
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    for attempt in range(2):  # a raylet gets 30 s to register (Ray's constant): a loaded host may miss it
+        port, cluster = free_port(), Cluster()
+        try:
+            # Train V2 asks the State API whether a run's controller lives: this cluster's own.
+            cluster.add_node(num_cpus=2, object_store_memory=STORE_MB << 20, include_dashboard=True,
+                             dashboard_host="127.0.0.1", dashboard_port=port)
+            nodes = [cluster.add_node(num_cpus=2, object_store_memory=STORE_MB << 20) for _ in range(2)]
+            break
+        except Exception:
+            cluster.shutdown()
+            if attempt:
+                raise
+    api = f"http://127.0.0.1:{port}"
+    connect_driver(f"cluster:{cluster.address}", lambda: ray.init(
+        address=cluster.address, runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": api}}))
+    cluster.wait_for_nodes()
+    yield cluster, nodes, api
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def on(node_id: str):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
+def payload(step: int, rank: int) -> dict[str, bytes]:
+    return {f"global_step{step}/zero_pp_rank_{rank}_optim.pt": bytes([rank + 1]) * (20_000 + step),
+            "latest": f"global_step{step}".encode()}
+
+
+def _save(run: str, policy, step: int, rank: int, world: int):
+    """A rank's save, run on the node the task is pinned to: put its files, hand them over."""
+    import numpy as np
+    import ray
+
+    from raylib.checkpoint import CheckpointStore
+
+    files = payload(step, rank)
+    refs = {rel: ray.put(np.frombuffer(data, dtype=np.uint8)) for rel, data in files.items()}
+    answer = CheckpointStore(run, policy).put(step, rank, world, refs, sum(map(len, files.values())),
+                                              {"state": {"rank": rank}})
+    return ray.get_runtime_context().get_node_id(), ray.get(answer)
+
+
+def save(run: str, policy, step: int, nodes: list[str]) -> list:
+    import ray
+
+    task = ray.remote(num_cpus=0)(_save)
+    return ray.get([task.options(**on(n)).remote(run, policy, step, r, len(nodes))
+                    for r, n in enumerate(nodes)])
+
+
+def read_back(store, step: int, rank: int, **kw):
+    with tempfile.TemporaryDirectory() as d:
+        got = store.fetch(step, rank, d, **kw)
+        files = {os.path.relpath(os.path.join(r, n), d): open(os.path.join(r, n), "rb").read()
+                 for r, _, names in os.walk(d) for n in names}
+    return got, files
+
+
+def kill_keepers():
+    import ray
+
+    from raylib.checkpoint import live_keepers
+
+    for keeper in live_keepers().values():
+        ray.kill(keeper)
+
+
+# -- store level ------------------------------------------------------------------------------------
+
+def test_replica_survives_the_loss_of_the_primary_node(cluster):
+    from raylib.checkpoint import CheckpointStore, StorePolicy
+
+    c, nodes, _ = cluster
+    doomed = c.add_node(num_cpus=1, object_store_memory=STORE_MB << 20)
+    c.wait_for_nodes()
+    policy = StorePolicy(persist_url=None, replicas=1)  # memory only: no persisted fallback
+    where = save("replica", policy, 2, [doomed.node_id, nodes[0].node_id])
+    assert where[0][0] == doomed.node_id and where[0][1]["replicas"], where
+    store = CheckpointStore("replica", policy)
+    store.flush()
+    copies = store.holders()[(2, 0)]
+    assert {c_["node"] for c_ in copies} == {doomed.node_id, where[0][1]["replicas"][0]}
+
+    c.remove_node(doomed)
+    assert store.complete_steps() == [(2, 2)]
+    got, files = read_back(store, 2, 0)
+    assert got.source == "memory-replica" and got.meta == {"state": {"rank": 0}}
+    assert files == payload(2, 0)
+
+
+def test_retention_then_every_keeper_killed_restores_from_s3(cluster, s3_bucket):
+    from raylib.checkpoint import CheckpointStore, StorePolicy, live_keepers
+
+    _, nodes, _ = cluster
+    policy = StorePolicy(persist_url=s3_bucket.url, storage_options=s3_bucket.storage_options,
+                         keep_in_memory=2, keep_persisted=2, replicas=1)
+    ranks = [n.node_id for n in nodes]
+    for step in (2, 4, 6):
+        save("s3run", policy, step, ranks)
+    store = CheckpointStore("s3run", policy)
+    assert store.flush()["errors"] == []
+    held = store.holders()
+    assert sorted(held) == [(4, 0), (4, 1), (6, 0), (6, 1)], "keep_in_memory=2"
+    assert all(len(copies) == 2 for copies in held.values()), "a primary and a replica of each"
+    assert sorted(store.persisted.parts()) == [4, 6], "keep_persisted=2"
+
+    got, files = read_back(store, 6, 1)
+    assert got.source.startswith("memory-") and files == payload(6, 1)
+
+    kill_keepers()
+    deadline = time.monotonic() + 30
+    while live_keepers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert store.holders() == {}
+    assert store.complete_steps() == [(6, 2), (4, 2)]
+    for rank in (0, 1):
+        got, files = read_back(store, 6, rank)
+        assert got.source == "persisted" and files == payload(6, rank)
+    # New keepers start on demand after the old ones died.
+    save("s3run", policy, 8, ranks)
+    assert store.complete_steps()[0] == (8, 2)
+
+
+def test_corrupt_persisted_shard_falls_back_to_the_previous_checkpoint(cluster, tmp_path, caplog):
+    from raylib.checkpoint import CheckpointStore, StorePolicy
+    from raylib.checkpoint.store import first_usable
+
+    _, nodes, _ = cluster
+    policy = StorePolicy(persist_url=str(tmp_path), replicas=0)
+    ranks = [n.node_id for n in nodes]
+    for step in (2, 4):
+        save("corrupt", policy, step, ranks)
+    store = CheckpointStore("corrupt", policy)
+    store.flush()
+    store.drop()  # only the persisted copies remain
+    shard = tmp_path / "corrupt/step-00000004/rank-00001/global_step4/zero_pp_rank_1_optim.pt"
+    shard.write_bytes(b"\0" + shard.read_bytes()[1:])
+
+    candidates = store.complete_steps()
+    assert candidates == [(4, 2), (2, 2)], "a corrupt file is only found when read"
+    with caplog.at_level(logging.WARNING, logger="raylib.checkpoint.store"):
+        d = tempfile.mkdtemp()
+        step, world, got = first_usable(candidates, lambda s, w: store.fetch(s, 1, d), lambda ok: ok,
+                                        store.run)
+    assert (step, world, got.source) == (2, 2, "persisted")
+    assert "step 4 of corrupt is unusable" in caplog.text and "corrupt: 20004 bytes" in caplog.text
+    assert "falling back to the previous complete checkpoint" in caplog.text
+
+
+def test_object_store_too_small_is_a_clear_error_and_nothing_wedges(cluster):
+    import ray
+
+    from raylib.checkpoint import CheckpointStore, StoreFullError, StorePolicy
+
+    _, nodes, _ = cluster
+    tiny = StorePolicy(persist_url=None, max_store_fraction=1e-4)  # about 15 KB of 150 MB
+    with pytest.raises(ray.exceptions.RayTaskError) as e:
+        save("full", tiny, 2, [nodes[0].node_id])
+    assert isinstance(e.value.as_instanceof_cause(), StoreFullError)
+    for fragment in ("rank 0 (20.0 KB)", "over checkpoint.max_store_fraction=0.0001 x 157.3 MB = 15.7 KB",
+                     "--object-store-memory", "keep_in_memory", "in_memory: false"):
+        assert fragment in str(e.value), (fragment, str(e.value))
+    # The keeper stays usable: a part within budget is taken right after.
+    save("full", StorePolicy(persist_url=None), 2, [nodes[0].node_id])
+    assert CheckpointStore("full", tiny).complete_steps() == [(2, 1)]
+
+
+# -- training: DeepSpeed engines under Ray Train -------------------------------------------------------
+
+def job(dataset: str, out, name: str, **sections):
+    from raylib import JobSpec
+
+    base = {
+        "name": name,
+        "model": {"preset": "bert-tiny", "overrides": {"num_hidden_layers": 1}},
+        "data": {"path": dataset, "manifest": None},
+        "strategy": {"zero_stage": 2, "micro_batch_size": 8,
+                     "optimizer": {"lr": 3e-3}, "lr_schedule": {"type": "constant"}},
+        "scaling": {"num_workers": 2},
+        "checkpoint": {"interval_steps": 2},
+        "run": {"steps": 4, "log_every": 2, "output_dir": str(out)},
+    }
+    for key, value in sections.items():
+        base[key] = {**base.get(key, {}), **value}
+    return JobSpec.from_dict(base)
+
+
+def complete_in_memory(prefix: str) -> list[int]:
+    """Steps of which every rank's part sits in some keeper, over the runs whose key has `prefix`."""
+    import ray
+
+    from raylib.checkpoint import live_keepers
+
+    ranks: dict[tuple[str, int], set[int]] = {}
+    worlds: dict[tuple[str, int], int] = {}
+    for keeper in live_keepers().values():
+        try:
+            parts = ray.get(keeper.inventory.remote(), timeout=10)
+        except ray.exceptions.RayError:
+            continue
+        for p in parts:
+            if p["run"].startswith(prefix):
+                ranks.setdefault((p["run"], p["step"]), set()).add(p["rank"])
+                worlds[(p["run"], p["step"])] = p["world_size"]
+    return sorted(step for (run, step), got in ranks.items() if len(got) == worlds[(run, step)])
+
+
+def kill_a_worker_after_a_checkpoint(api: str, prefix: str, seen: dict, timeout_s: float = 600) -> None:
+    """SIGKILL one Ray Train worker process as soon as a checkpoint is complete in memory."""
+    from ray.util.state import list_actors
+
+    deadline = time.monotonic() + timeout_s
+    pids: list[int] = []
+    while time.monotonic() < deadline:
+        if not pids:  # known before the checkpoint lands, so the kill follows it closely
+            workers = list_actors(address=api, filters=[("class_name", "=", "RayTrainWorker"),
+                                                         ("state", "=", "ALIVE")])
+            pids = [w["pid"] for w in workers if w.get("pid")]
+        elif complete := complete_in_memory(prefix):
+            os.kill(pids[-1], signal.SIGKILL)
+            seen["killed_after"] = complete[-1]
+            return
+        time.sleep(0.05)  # polling interval, not a synchronisation
+
+
+def _restore_with_pointer(spec, of_this_fit: bool):
+    """In a one-rank gloo group: rank 0 of a 2-rank step 2 reached its keeper, rank 1 never did
+    (it died first), and Ray Train's pointer names that step. Returns restore's answer or error."""
+    import tempfile
+
+    import numpy as np
+    import ray
+    import torch.distributed as dist
+
+    from raylib.checkpoint import CheckpointStore
+    from raylib.checkpoint.checkpointer import ObjectStoreCheckpointer, fit_id
+
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
+    try:
+        checkpointer = ObjectStoreCheckpointer(spec, str(spec.run_dir()))
+        run = checkpointer.family + (fit_id() if of_this_fit else "an-earlier-fit")
+        files = payload(2, 0)
+        refs = {rel: ray.put(np.frombuffer(data, dtype=np.uint8)) for rel, data in files.items()}
+        ray.get(CheckpointStore(run, checkpointer.policy).put(2, 0, 2, refs, 1, {"state": {}}))
+        pointer = {"run": run, "step": 2, "world_size": 2, "persist_url": checkpointer.policy.persist_url}
+        try:
+            return checkpointer.restore(None, pointer), None
+        except RuntimeError as e:
+            return None, str(e)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_pointer_to_an_incomplete_checkpoint_is_never_loaded(cluster, tiny_dataset, tmp_path):
+    """Rank 0 reports the pointer before the other ranks' parts reach their keepers. A worker group
+    restarted within the same fit starts afresh (nothing complete); a new fit whose pointer leads
+    nowhere stops with a clear error rather than silently discarding the training done."""
+    import ray
+
+    spec = job(tiny_dataset, tmp_path, "pointer")
+    task = ray.remote(num_cpus=0)(_restore_with_pointer)
+    assert ray.get(task.remote(spec, True)) == (None, None)
+    found, error = ray.get(task.remote(spec, False))
+    assert found is None and "no complete copy of any checkpoint" in error, error
+
+
+@pytest.mark.chaos
+@pytest.mark.slow
+def test_killed_worker_resumes_exactly_then_on_one_worker(cluster, tiny_dataset, tmp_path):
+    """ZeRO-2, 2 Ray Train workers, 10 steps, a checkpoint every 2.
+
+    1. Uninterrupted, with an object store budget too small for any snapshot: each one is refused
+       with a clear reason and written to persist_url by its rank instead; training goes on. Its
+       loss curve is the reference (refusing a snapshot changes no numerics).
+    2. The same run, a worker SIGKILLed after the first complete checkpoint: Ray Train restarts the
+       worker group, the ranks load the newest snapshot from the keepers, and the loss curve from
+       there on is the reference's, bit for bit (fp32 on CPU; the tiered data path resumes at the
+       exact row).
+    3. That finished run resumed on 1 worker: its ZeRO-2 shards are converted to a DeepSpeed
+       universal checkpoint (restored from persist_url: a finished run leaves nothing in memory).
+    """
+    from raylib.train.trainer import run
+
+    _, _, api = cluster
+    steps = 10
+    data = {"tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "1MB"}]}
+    whole = run(job(tiny_dataset, tmp_path, "whole", data=data, run={"steps": steps},
+                    checkpoint={"max_store_fraction": 1e-6}), progress=False).summary
+    ckpt = whole["checkpoint"]
+    assert ckpt["snapshots"] == 5 and ckpt["refused"] == 5, ckpt
+    assert "over checkpoint.max_store_fraction=1e-06" in ckpt["refused_first"], ckpt
+    assert ckpt["persisted_steps"] == [steps - 2, steps], "keep_persisted=2"
+
+    seen: dict = {}
+    killer = threading.Thread(target=kill_a_worker_after_a_checkpoint, args=(api, "chaos-", seen),
+                              daemon=True)
+    killer.start()
+    s = run(job(tiny_dataset, tmp_path, "chaos", data=data, run={"steps": steps, "max_failures": 1}),
+            progress=False).summary
+    killer.join(timeout=5)
+
+    assert "killed_after" in seen, "the run ended before a worker could be killed"
+    # The newest complete checkpoint at the kill, or the next one if the killed rank's part of it
+    # was already on its way to a keeper.
+    assert seen["killed_after"] <= s["start_step"] <= seen["killed_after"] + 2, (seen, s["start_step"])
+    assert s["steps"] == steps and s["loss_curve"] == whole["loss_curve"][s["start_step"]:]
+    ckpt = s["checkpoint"]
+    assert ckpt["restore_source"].startswith("memory-"), ckpt
+    assert ckpt["restored_step"] == s["start_step"] and ckpt["restore_s"] > 0
+    assert ckpt["snapshots"] == (steps - s["start_step"]) // 2 and ckpt["refused"] == 0
+    assert ckpt["replicas"] == 1 and ckpt["persisted_steps"] == [steps - 2, steps]
+    assert not ckpt["persist_errors"] and ckpt["bytes_per_snapshot"] > 1e6
+    assert complete_in_memory("chaos-") == [], "a finished run leaves nothing in the object store"
+
+    # Same run name: Ray Train's pointer leads to it. No tiers: their data order depends on the
+    # world size, so the loop refuses to continue a tiered stream at another size.
+    one = run(job(tiny_dataset, tmp_path, "chaos", scaling={"num_workers": 1}, run={"steps": steps + 1}),
+              progress=False).summary
+    assert one["world_size"] == 1 and one["start_step"] == steps and len(one["loss_curve"]) == 1
+    assert one["checkpoint"]["restore_source"] == "persisted", one["checkpoint"]
+    assert one["checkpoint"]["restored_step"] == steps
+    # The trained model came back (a fresh BERT starts near ln(vocab)).
+    assert one["loss_curve"][0] < whole["initial_loss"] - 0.2, (whole, one)
+
+
+@pytest.mark.slow
+def test_zero3_resumes_on_fewer_workers_via_universal_checkpoint(cluster, tiny_dataset, tmp_path):
+    """ZeRO-3, 2 -> 1 workers: each rank's parameter and optimizer partitions, from persist_url.
+    The first run reads through Ray Data, so the second may use the (faster to start) tiered path:
+    only a tiered stream is tied to its world size."""
+    from raylib.train.trainer import run
+
+    spec = {"strategy": {"zero_stage": 3}}
+    data = {"tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "1MB"}]}
+    first = run(job(tiny_dataset, tmp_path, "resize3", **spec), progress=False).summary
+    assert first["steps"] == 4 and first["param_digests_agree"]
+    assert first["checkpoint"]["snapshots"] == 2 and first["checkpoint"]["refused"] == 0
+    assert first["checkpoint"]["persisted_steps"] == [2, 4]
+
+    second = run(job(tiny_dataset, tmp_path, "resize3", scaling={"num_workers": 1}, run={"steps": 5},
+                     data=data, **spec), progress=False).summary
+    assert second["world_size"] == 1 and second["start_step"] == 4 and len(second["loss_curve"]) == 1
+    assert second["checkpoint"]["restore_source"] == "persisted"
+    assert second["checkpoint"]["restored_step"] == 4
+    assert second["loss_curve"][0] < first["initial_loss"] - 0.2, (first, second)

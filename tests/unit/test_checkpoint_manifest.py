@@ -1,0 +1,137 @@
+"""Checkpoint parts: the persisted layout (manifests make parts exist, sha256 guards reads, retention
+by step) and captured state dicts (skeleton + tensors, serialised to what DeepSpeed would write)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from raylib.checkpoint.deepspeed_io import needs_universal, shared
+from raylib.checkpoint.persist import ChecksumError, PersistedRun
+
+pytestmark = pytest.mark.unit
+
+
+def part(step: int, rank: int) -> dict[str, bytes]:
+    return {f"global_step{step}/zero_pp_rank_{rank}_mp_rank_00_optim_states.pt": bytes([rank]) * (100 + step),
+            "latest": f"global_step{step}".encode()}
+
+
+def write(run: PersistedRun, step: int, world: int = 2, ranks=None) -> None:
+    for rank in range(world) if ranks is None else ranks:
+        run.write_part(step, rank, world, part(step, rank), {"state": {"rank": rank, "step": step}})
+
+
+def test_a_step_is_complete_only_with_every_ranks_manifest(tmp_path):
+    run = PersistedRun(str(tmp_path), "r1")
+    write(run, 2)
+    write(run, 4, ranks=[0])  # rank 1 of step 4 not written yet
+    assert run.complete_steps() == {2: 2}
+    write(run, 4, ranks=[1])
+    assert run.complete_steps() == {2: 2, 4: 2}
+    # No temporary names are left behind by the atomic writes.
+    assert not [n for _, _, names in os.walk(tmp_path) for n in names if ".partial-" in n]
+
+
+def test_files_without_a_manifest_do_not_count(tmp_path):
+    run = PersistedRun(str(tmp_path), "r1")
+    write(run, 2)
+    # A writer that died mid-part: files (and a half-written manifest under a temporary name).
+    d = tmp_path / "r1" / "step-00000006"
+    (d / "rank-00000").mkdir(parents=True)
+    (d / "rank-00000" / "latest").write_bytes(b"x")
+    (d / "rank-00000.manifest.json.partial-dead").write_text("{")
+    assert run.complete_steps() == {2: 2}
+
+
+def test_read_part_verifies_and_selects(tmp_path):
+    run = PersistedRun(str(tmp_path), "r1")
+    write(run, 2)
+    out = tmp_path / "out"
+    manifest = run.read_part(2, 1, str(out), select=lambda rel: rel != "latest")
+    assert manifest["meta"] == {"state": {"rank": 1, "step": 2}} and manifest["world_size"] == 2
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == [
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+
+    shard = tmp_path / "r1/step-00000002/rank-00001/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray(shard.read_bytes())
+    data[5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match=r"zero_pp_rank_1.*corrupt: 102 bytes, sha256"):
+        run.read_part(2, 1, str(tmp_path / "again"))
+    assert not (tmp_path / "again" / "global_step2" / shard.name).exists(), "a corrupt copy is removed"
+
+    shard.write_bytes(bytes(data[:50]))
+    with pytest.raises(ChecksumError, match="50 bytes"):
+        run.read_part(2, 1, str(tmp_path / "again"))
+
+
+def test_manifest_records_size_and_sha256(tmp_path):
+    import hashlib
+
+    run = PersistedRun(str(tmp_path), "r1")
+    write(run, 2)
+    manifest = json.loads((tmp_path / "r1/step-00000002/rank-00000.manifest.json").read_text())
+    rel = "global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    assert manifest["files"][rel] == {"bytes": 102, "sha256": hashlib.sha256(bytes(102)).hexdigest()}
+
+
+def test_retention_keeps_the_newest_complete_steps(tmp_path):
+    run = PersistedRun(str(tmp_path), "r1")
+    for step in (2, 4, 6):
+        write(run, step)
+    write(run, 3, ranks=[1])  # a straggler: older than the kept steps, never complete
+    write(run, 8, ranks=[0])  # in progress: never counts towards retention, never removed
+    assert run.retain(keep=2) == [2, 3]
+    assert run.retain(keep=2) == []
+    assert run.complete_steps() == {4: 2, 6: 2}
+    assert sorted(run.parts()) == [4, 6, 8]
+    assert not (tmp_path / "r1" / "step-00000002").exists(), "an emptied step directory is removed"
+    # With fewer complete steps than `keep`, nothing is removed.
+    assert PersistedRun(str(tmp_path), "other").retain(keep=2) == []
+
+
+def test_deepspeed_file_roles():
+    # Rank 0's model states are read by every rank; a ZeRO shard only by its own rank.
+    assert shared("global_step4/mp_rank_00_model_states.pt") and shared("latest")
+    assert not shared("global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert needs_universal(["global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+    assert not needs_universal(["global_step4/mp_rank_00_model_states.pt", "latest"])
+
+
+# -- captured state dicts: split into a skeleton and tensors, serialised by the keepers ------------
+
+def test_capture_round_trip_keeps_values_ties_dtypes_and_metadata():
+    import io
+    from collections import OrderedDict
+
+    import torch
+
+    from raylib.checkpoint.capture import flatten, rebuild, serialize, to_arrays
+
+    weight = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    module = OrderedDict(embed=weight, decoder=weight, half=torch.ones(2, 3, dtype=torch.bfloat16),
+                         scalar=torch.tensor(7, dtype=torch.int64), empty=torch.empty(0, 5),
+                         strided=torch.arange(20.0).reshape(4, 5)[:, 1])
+    module._metadata = {"": {"version": 1}}
+    state = {"module": module, "optimizer": {"state": {0: {"step": 3, "exp_avg": [weight * 2]}}},
+             "shapes": (torch.Size([3, 4]), "x"), "lr": 0.1}
+
+    flat = flatten(state)
+    assert len(flat.tensors) == 6, "a tensor met twice (tied weights) is kept once"
+    weight.add_(100)  # what engine.step does after the capture: the snapshot keeps the old values
+    arrays = to_arrays(flat.tensors)
+    back = rebuild(flat.skeleton, arrays)
+    assert back["module"]["embed"] is back["module"]["decoder"]
+    assert torch.equal(back["module"]["embed"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert back["module"]["half"].dtype == torch.bfloat16 and back["module"]["scalar"].item() == 7
+    assert back["module"]["empty"].shape == (0, 5)
+    assert torch.equal(back["module"]["strided"], torch.tensor([1.0, 6.0, 11.0, 16.0]))
+    assert back["module"]._metadata == {"": {"version": 1}}
+    assert back["shapes"] == (torch.Size([3, 4]), "x") and back["optimizer"]["state"][0]["step"] == 3
+
+    # The keeper's serialisation is a plain torch.save: torch.load reads it back.
+    loaded = torch.load(io.BytesIO(serialize(flat.skeleton, arrays).tobytes()), weights_only=False)
+    assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"][0], 2 * torch.arange(12.0).reshape(3, 4))

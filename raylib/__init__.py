@@ -26,4 +26,14 @@ def connect(address: str | None = None, log_to_driver: bool = True) -> dict:
     return _connect(address, num_cpus_needed=2, log_to_driver=log_to_driver)
 
 
-__all__ = ["JobSpec", "SpecError", "connect", "run", "__version__"]
+def autotune(spec: JobSpec, settings=None, address: str | None = None, out_dir=None,
+             resume: bool = False):
+    """Search `spec`'s training strategy with Ray Tune (`raylib tune`): short real trials, pruned
+    by a memory model, early-stopped by ASHA. `settings`: a raylib.tune.TuneSpec (None: defaults).
+    Returns a TuneResult: every trial's row, the best one, and the `--set` overrides that run it."""
+    from raylib.tune import tune
+
+    return tune(spec, settings, address=address, out_dir=out_dir, resume=resume)
+
+
+__all__ = ["JobSpec", "SpecError", "autotune", "connect", "run", "__version__"]

@@ -48,11 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     p_build.add_argument("--force", action="store_true", help="rebuild even if already built")
 
     from raylib import doctor, submit  # light modules: Ray and friends are imported when used
+    from raylib.tune import command as tune_command
 
     submit.add_arguments(sub.add_parser("submit", help="run a JobSpec on a Ray cluster as a Ray job "
                                         "(Ray Jobs API): stream its logs, print its summary"))
     doctor.add_arguments(sub.add_parser("doctor", help="check this environment: Ray, versions, "
                                         "GPUs, S3, tier dirs, topology labels"))
+    tune_command.add_arguments(sub.add_parser("tune", help="autotune the training strategy (ZeRO "
+                                              "stage, micro-batch, offload, precision ...) with Ray Tune"))
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["storage", "serve"]:  # its own flags: raylib.data.s3server.main
@@ -70,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             return submit.main(args)
         if args.command == "doctor":
             return doctor.main(args)
+        if args.command == "tune":
+            return tune_command.main(args)
         return _data_build(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"raylib: error: {e}", file=sys.stderr)
@@ -115,7 +120,8 @@ def _embedded_s3(args, spec):
 
     from raylib.data.s3server import embedded_s3
 
-    buckets = [urlparse(spec.data.path).netloc] if spec.data.path.startswith("s3://") else []
+    urls = [spec.data.path, spec.checkpoint.persist_url or ""]
+    buckets = sorted({urlparse(u).netloc for u in urls if u.startswith("s3://")})
     return embedded_s3(args.embedded_s3, buckets)
 
 

@@ -58,7 +58,8 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
         pipeline = _tiered_pipeline(spec, config, ctx, micro, rows_per_step, start, state, engine.device)
         batches = iter(pipeline)
     else:
-        batches = _batches(ray.train.get_dataset_shard("train"), micro, engine.device)
+        batches = _batches(ray.train.get_dataset_shard("train"), micro, engine.device,
+                           spec.data.prefetch_batches)
 
     preempt_probe = _preempt_probe(config.get("gang"), rank, engine.device)
     preempted = False
@@ -137,7 +138,7 @@ def _tiered_pipeline(spec, config, ctx, micro, rows_per_step, start, state, devi
         spec, DatasetIndex(**config["index"]), rank=ctx.get_world_rank(),
         world_size=ctx.get_world_size(), micro_batch=micro,
         rows_needed=spec.run.steps * rows_per_step, rows_done=start * rows_per_step,
-        local_ranks=ctx.get_local_world_size(), device=device)
+        local_ranks=ctx.get_local_world_size(), device=device, queue_batches=spec.data.prefetch_batches)
     saved = state.get("data", {}).get("order")
     if start and saved is not None and saved != pipeline.order_fingerprint():
         pipeline.close()
@@ -207,14 +208,14 @@ def _checkpoint_due(spec, done: int) -> bool:
     return (every and done % every == 0) or (spec.checkpoint.at_end and done == spec.run.steps)
 
 
-def _batches(shard, micro_batch: int, device) -> Iterator[dict[str, Any]]:
+def _batches(shard, micro_batch: int, device, prefetch: int) -> Iterator[dict[str, Any]]:
     """Endless micro-batches: epoch after epoch of this rank's split of the dataset."""
     import torch
 
     while True:
         seen = 0
         for batch in shard.iter_torch_batches(
-            batch_size=micro_batch, drop_last=True, prefetch_batches=2, dtypes=torch.long,
+            batch_size=micro_batch, drop_last=True, prefetch_batches=prefetch, dtypes=torch.long,
             device=device,
         ):
             seen += 1

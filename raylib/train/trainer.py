@@ -16,8 +16,10 @@ from raylib.summary import RunResult, summarize
 log = logging.getLogger(__name__)
 
 
-def run(spec: JobSpec, address: str | None = None, progress: bool = True) -> RunResult:
-    """Run `spec` to completion (resuming its latest checkpoint if the run exists)."""
+def run(spec: JobSpec, address: str | None = None, progress: bool = True,
+        callbacks: list | None = None) -> RunResult:
+    """Run `spec` to completion (resuming its latest checkpoint if the run exists).
+    callbacks: extra Ray Train callbacks for the run's controller (raylib.tune's trial probe)."""
     import ray
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -46,7 +48,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True) -> Run
     resources = runtime.connect(
         address, num_cpus_needed=spec.world_size * spec.scaling.cpus_per_worker
     )
-    on_gpu = _decide_gpu(spec, resources)
+    on_gpu = decide_gpu(spec, resources)
     ds_config = resolve_ds_config(spec, on_gpu=on_gpu)
     _check_capacity(spec, resources, on_gpu)
 
@@ -91,7 +93,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True) -> Run
                         storage_path=str(run_dir.parent),
                         failure_config=ray.train.FailureConfig(max_failures=spec.run.max_failures),
                         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.checkpoint.keep),
-                        callbacks=[bar.callback],
+                        callbacks=[bar.callback, *(callbacks or [])],
                         worker_runtime_env=_worker_env(),
                     ),
                     # with tiers every rank reads its planned shards itself (data.pipeline)
@@ -180,7 +182,7 @@ def _check_data_fits(spec: JobSpec, index) -> None:
         )
 
 
-def _decide_gpu(spec: JobSpec, resources: dict[str, Any]) -> bool:
+def decide_gpu(spec: JobSpec, resources: dict[str, Any]) -> bool:
     gpus = resources.get("GPU", 0)
     want = spec.scaling.use_gpu
     if want == "auto":

@@ -1,0 +1,199 @@
+"""The memory model that prunes strategies before any trial is launched.
+
+Per worker (rank), at world size N, for a model of P parameters:
+
+- model states (ZeRO paper, Rajbhandari et al. 2020): parameters (2 bytes each in fp16/bf16, 4 in
+  fp32), gradients (same), optimizer states (fp32 master copy 4 bytes when training in 16 bits or
+  with ZeRO >= 1, Adam's two moments 8 bytes); ZeRO-1 partitions the optimizer states over N,
+  ZeRO-2 also the gradients, ZeRO-3 also the parameters (plus the gathered working set: the
+  largest module, twice for prefetch). Offload moves optimizer states (and ZeRO-1/2's fp32
+  gradient partition), or ZeRO-3's parameter partition, to host memory.
+- activations per micro-batch (Korthikanti et al. 2022, eq. 1: s*b*h*(34 + 5*a*s/h) bytes per
+  layer in 16 bits, twice that in fp32), plus the MLM logits and their gradient (fp32).
+- ZeRO-1/2's gradient reduction buffer (reduce_bucket_size elements, doubled by overlap_comm:
+  DeepSpeed allocates it whole), and a fixed runtime overhead per process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+GIB = 1 << 30
+# Python + torch + DeepSpeed + a Ray Train worker (CPU: the measured peak RSS of a worker training
+# a 1-layer bert-tiny is 0.55 GiB), or the CUDA context plus allocator slack (GPU).
+RUNTIME_OVERHEAD_BYTES = {"cpu": GIB // 2, "gpu": GIB}
+ADAM_MOMENT_BYTES = 8
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: int
+    largest_module_params: int
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    device_bytes: int
+    host_bytes: int
+    """Offloaded states (GPU only; on CPU everything is device_bytes)."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    device_bytes: int
+    """Per worker: a GPU's memory, or a CPU worker's share of its node's memory."""
+    host_bytes: int | None = None
+    """Per worker share of host memory for offloaded states (GPU clusters)."""
+
+
+def model_shape(model_spec, vocab_size: int, seq_len: int, pad_id: int = 0) -> ModelShape:
+    """Exact parameter counts from the real HF model built on the meta device (no memory used)."""
+    import torch
+    from transformers import BertForMaskedLM
+
+    from raylib.train.model import bert_config
+
+    config = bert_config(model_spec, vocab_size, seq_len, pad_id)
+    with torch.device("meta"):
+        model = BertForMaskedLM(config)
+    params = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return ModelShape(params=params, largest_module_params=largest,
+                      layers=config.num_hidden_layers, hidden=config.hidden_size,
+                      heads=config.num_attention_heads, vocab=vocab_size, seq_len=seq_len)
+
+
+def estimate(shape: ModelShape, strategy, world: int, on_gpu: bool) -> MemoryEstimate:
+    """Peak memory of one worker running `strategy` (a StrategySpec)."""
+    s, n, p = strategy, world, shape.params
+    low = s.precision in ("fp16", "bf16")
+    weight_bytes = 2 if low else 4
+    moments = ADAM_MOMENT_BYTES if s.optimizer.type in ("adam", "adamw") else 0
+    master = 4 if (low or s.zero_stage >= 1) else 0
+    optimizer = (moments + master) * p
+    grads = weight_bytes * p
+    params = weight_bytes * p
+    if s.zero_stage >= 1:
+        optimizer //= n
+    if s.zero_stage >= 2:
+        grads //= n
+    gathered = 0
+    if s.zero_stage == 3:
+        params //= n
+        gathered = 2 * weight_bytes * shape.largest_module_params
+    host = 0
+    if s.offload_optimizer:
+        fp32_grads = 4 * p // n if s.zero_stage in (1, 2) else 0
+        host += optimizer + fp32_grads
+        optimizer = 0
+    if s.offload_params:
+        host += params
+        params = 0
+    device = params + grads + optimizer + gathered + _activations(shape, s) + _buffers(s, weight_bytes)
+    device += RUNTIME_OVERHEAD_BYTES["gpu" if on_gpu else "cpu"]
+    if not on_gpu:  # the "device" is the host: offloading moves nothing
+        device, host = device + host, 0
+    return MemoryEstimate(device_bytes=int(device), host_bytes=int(host))
+
+
+def _activations(shape: ModelShape, s) -> int:
+    b, sl, h, a = s.micro_batch_size, shape.seq_len, shape.hidden, shape.heads
+    half_bytes = 1 if s.precision in ("fp16", "bf16") else 2  # the formula counts 16-bit bytes
+    per_layer = sl * b * h * (34 + 5 * a * sl / h) * half_bytes
+    logits = 2 * 4 * sl * b * shape.vocab
+    return int(shape.layers * per_layer + logits)
+
+
+def _buffers(s, grad_bytes: int) -> int:
+    if s.zero_stage not in (1, 2):
+        return 0
+    return s.reduce_bucket_size * grad_bytes * (2 if s.overlap_comm else 1)
+
+
+def fits(est: MemoryEstimate, budget: Budget) -> str | None:
+    """None if `est` fits `budget`, else why not."""
+    if est.device_bytes > budget.device_bytes:
+        return (f"needs ~{est.device_bytes / GIB:.2f} GiB per worker, budget "
+                f"{budget.device_bytes / GIB:.2f} GiB")
+    if budget.host_bytes is not None and est.host_bytes > budget.host_bytes:
+        return (f"offload needs ~{est.host_bytes / GIB:.2f} GiB host memory per worker, budget "
+                f"{budget.host_bytes / GIB:.2f} GiB")
+    return None
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the cluster can run: accelerator kind, the memory budget and the model's shape."""
+
+    on_gpu: bool
+    budget: Budget
+    shape: ModelShape
+    precisions: tuple[str, ...]
+    """Precisions the workers' accelerator supports."""
+
+    def unsupported(self, config: dict[str, Any]) -> str | None:
+        precision = config.get("precision")
+        if precision is not None and precision not in self.precisions:
+            return f"{precision} is not supported by the workers' accelerator ({self.kind})"
+        if not self.on_gpu and (config.get("offload_optimizer") or config.get("offload_params")):
+            return "offload to CPU saves nothing when the workers train on CPU"
+        return None
+
+    @property
+    def kind(self) -> str:
+        return "GPU" if self.on_gpu else "CPU"
+
+
+def detect(spec, shape: ModelShape, on_gpu: bool, budget_bytes: int | None) -> Hardware:
+    """Probe the connected cluster: the per-worker memory budget (unless given) and precisions."""
+    import ray
+
+    host = _host_bytes_per_worker(spec, on_gpu)
+    if on_gpu:
+        gpu_total, bf16 = ray.get(ray.remote(num_gpus=1, num_cpus=0)(_gpu_facts).remote())
+        budget = Budget(device_bytes=budget_bytes or gpu_total, host_bytes=host)
+        precisions = ("fp32", "fp16", "bf16") if bf16 else ("fp32", "fp16")
+    else:
+        budget = Budget(device_bytes=budget_bytes or host)
+        precisions = _cpu_precisions()
+    return Hardware(on_gpu=on_gpu, budget=budget, shape=shape, precisions=precisions)
+
+
+def _host_bytes_per_worker(spec, on_gpu: bool) -> int:
+    """The smallest per-worker share of a node's memory (as Ray accounts it) among the nodes that
+    can host a worker."""
+    import ray
+
+    shares = []
+    for node in ray.nodes():
+        res = node.get("Resources", {}) if node.get("Alive") else {}
+        slots = res.get("GPU", 0) if on_gpu else res.get("CPU", 0) // spec.scaling.cpus_per_worker
+        workers = min(int(slots), spec.world_size)
+        if workers >= 1 and res.get("memory"):
+            shares.append(int(res["memory"] // workers))
+    if not shares:
+        raise ValueError("no node of the cluster can host a worker; cannot size the memory budget "
+                         "(give memory_budget in the tune settings)")
+    return min(shares)
+
+
+def _gpu_facts() -> tuple[int, bool]:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory, torch.cuda.is_bf16_supported()
+
+
+def _cpu_precisions() -> tuple[str, ...]:
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the workers do, before deepspeed is imported
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    return ("fp32", "bf16") + (("fp16",) if accelerator.is_fp16_supported() else ())

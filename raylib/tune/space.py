@@ -1,0 +1,253 @@
+"""What to tune: the search space over the strategy, the objective and the trial budget.
+
+`TuneSpec` is its own YAML file (`raylib tune CONFIG --tune TUNE.yaml`), beside the JobSpec.
+Every candidate keeps the JobSpec's global batch (micro x accumulation x workers), so trials are
+comparable for convergence; `candidates` expands the space into concrete strategies and records
+why the ones that cannot run were dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from raylib.summary import WARMUP_STEPS
+
+# Space key -> JobSpec section. Accumulation is not a key: it follows from the fixed global batch.
+SPACE_KEYS = {
+    "offload_params": "strategy",
+    "offload_optimizer": "strategy",
+    "zero_stage": "strategy",
+    "micro_batch_size": "strategy",
+    "num_workers": "scaling",
+    "precision": "strategy",
+    "overlap_comm": "strategy",
+    "reduce_bucket_size": "strategy",
+    "allgather_bucket_size": "strategy",
+    "prefetch_batches": "data",
+}
+# Keys whose values have an order (neighbours in the coordinate search are adjacent values);
+# precision is categorical and booleans have two values.
+ORDERED_KEYS = {"zero_stage", "micro_batch_size", "num_workers", "reduce_bucket_size",
+                "allgather_bucket_size", "prefetch_batches"}
+MAX_AUTO_MICRO_BATCHES = 4
+
+
+def default_space() -> dict[str, list[Any]]:
+    """Everything worth trying on any hardware; what the hardware cannot run is dropped later."""
+    return {"zero_stage": [0, 1, 2, 3], "offload_optimizer": [False, True],
+            "precision": ["fp32", "bf16", "fp16"], "overlap_comm": [False, True]}
+
+
+class TuneSpec(BaseModel):
+    """How to search. Every field has a default: `raylib tune CONFIG` alone searches the default
+    space for throughput."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    space: dict[str, list[Any]] = Field(default_factory=default_space)
+    """Values to try per key (see SPACE_KEYS). micro_batch_size, when absent, is every power of two
+    (and the largest value) that divides global batch / workers, the largest few."""
+    objective: Literal["throughput", "cost_per_token"] = "throughput"
+    """throughput: maximise samples/s. cost_per_token: minimise USD per million tokens
+    (price_per_device_hour x workers / tokens/s); differs when num_workers is searched."""
+    price_per_device_hour: float | None = Field(None, gt=0)
+    """USD per worker device (GPU, or CPU worker) per hour; needed by cost_per_token."""
+    memory_budget: int | str | None = None
+    """Memory one worker may use ('16GB'): device memory on GPU, host memory on CPU. None:
+    detected from the cluster."""
+    search: Literal["coordinate", "grid", "random"] = "coordinate"
+    """coordinate: start at the rule-of-thumb best and move to better neighbours (one key changed)
+    until none is better. grid: every candidate. random: max_trials random candidates."""
+    max_trials: int | None = Field(None, ge=1)
+    """Cap on launched trials (random: the sample size, default a third of the candidates)."""
+    min_gain: float = Field(0.02, ge=0)
+    """coordinate: a neighbour replaces the incumbent only if better by this fraction (noise)."""
+    steps: int = Field(16, gt=WARMUP_STEPS)
+    """Optimizer steps per trial; the first WARMUP_STEPS are not timed."""
+    report_every: int = Field(2, ge=1)
+    """Steps between throughput reports (what early stopping compares)."""
+    early_stopping: bool = True
+    """ASHA: stop a trial whose throughput at a rung is below the best third of its peers."""
+    grace_steps: int | None = Field(None, ge=1)
+    """ASHA's first rung (default: a third of `steps`, at least one report after warm-up)."""
+    reduction_factor: int = Field(3, ge=2)
+    max_failures: int = Field(1, ge=0)
+    """Retries of a crashed trial (from its last checkpoint); then it is recorded as failed."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Checkpoint trials every N steps so a crashed trial resumes instead of restarting (0: no
+    checkpoints; a short trial restarts cheaply)."""
+    inject_crash_at_step: int | None = Field(None, ge=1)
+    """Chaos testing: the first trial reaching this step has its last training worker killed
+    (os._exit) once in the whole tuning run; the retry runs clean."""
+    seed: int = 0
+    """random search's sample."""
+
+    @field_validator("space")
+    @classmethod
+    def _known_keys(cls, v: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        unknown = sorted(set(v) - set(SPACE_KEYS))
+        if unknown:
+            raise ValueError(f"space: unknown key(s) {unknown}; allowed: {', '.join(SPACE_KEYS)} "
+                             "(gradient_accumulation_steps follows from the fixed global batch)")
+        empty = sorted(k for k, values in v.items() if not isinstance(values, list) or not values)
+        if empty:
+            raise ValueError(f"space: {empty} must each be a non-empty list of values")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TuneSpec:
+        if self.objective == "cost_per_token" and self.price_per_device_hour is None:
+            raise ValueError("objective cost_per_token needs price_per_device_hour (USD per device-hour)")
+        if self.inject_crash_at_step is not None and self.inject_crash_at_step >= self.steps:
+            raise ValueError(f"inject_crash_at_step={self.inject_crash_at_step} must be below "
+                             f"steps={self.steps}")
+        if self.memory_budget is not None:
+            self.budget_bytes()  # a readable error now rather than at launch
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: str | Path | None, overrides: list[str] | None = None) -> TuneSpec:
+        """A TuneSpec YAML (None: the defaults) with `key=value` overrides (values parsed as YAML)."""
+        from raylib.spec import SpecError, apply_override
+
+        data: dict[str, Any] = {}
+        if path is not None:
+            path = Path(path)
+            if not path.is_file():
+                raise SpecError(f"tune file {str(path)!r} not found")
+            data = yaml.safe_load(path.read_text()) or {}
+        for item in overrides or []:
+            apply_override(data, item)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'tune'}: "
+                                 f"{err['msg'].removeprefix('Value error, ')}" for err in e.errors())
+            raise SpecError(f"{path or 'tune settings'}: {problems}") from None
+
+    def budget_bytes(self) -> int | None:
+        from raylib.data.build import parse_size
+
+        return None if self.memory_budget is None else parse_size(self.memory_budget)
+
+    @property
+    def metric(self) -> str:
+        return "samples_per_s" if self.objective == "throughput" else "usd_per_mtok"
+
+    @property
+    def mode(self) -> str:
+        return "max" if self.objective == "throughput" else "min"
+
+    def asha_grace_steps(self) -> int:
+        first_timed = WARMUP_STEPS + self.report_every  # first report with a throughput
+        return max(self.grace_steps or self.steps // 3, first_timed)
+
+
+@dataclass
+class Candidate:
+    """One strategy of the space and what became of it before launch."""
+
+    config: dict[str, Any]
+    """Space key -> value, plus the derived gradient_accumulation_steps."""
+    status: Literal["candidate", "invalid", "pruned"] = "candidate"
+    reason: str = ""
+    memory: dict[str, int] = field(default_factory=dict)
+    """The memory model's estimate (bytes): device, host."""
+
+    def label(self) -> str:
+        order = [*SPACE_KEYS, "gradient_accumulation_steps"]
+        keys = sorted(self.config, key=lambda k: order.index(k) if k in order else len(order))
+        return " ".join(f"{_short(k)}={_fmt(self.config[k])}" for k in keys)
+
+
+def candidates(base: dict[str, Any], tune: TuneSpec, global_batch: int, hardware) -> list[Candidate]:
+    """Every combination of the space at the fixed global batch, each either a candidate or
+    marked invalid (the strategy cannot run here) or pruned (the memory model says it cannot fit).
+
+    base: the JobSpec as a dict; hardware: a memory.Hardware (device kind, budget, model shape).
+    """
+    from raylib.spec import JobSpec
+    from raylib.train.strategy import resolve_ds_config
+    from raylib.tune.memory import estimate, fits
+
+    space = dict(tune.space)
+    world_default = JobSpec.from_dict(base).world_size
+    if "micro_batch_size" not in space:
+        worlds = space.get("num_workers", [world_default])
+        space["micro_batch_size"] = auto_micro_batches(global_batch, min(worlds))
+    keys = [k for k in SPACE_KEYS if k in space]
+    out: list[Candidate] = []
+    for values in itertools.product(*(space[k] for k in keys)):
+        choice = dict(zip(keys, values, strict=True))
+        world = choice.get("num_workers", world_default)
+        micro = choice["micro_batch_size"]
+        if global_batch % (micro * world):
+            continue  # no accumulation keeps the global batch: not a member of the space
+        config = {**choice, "gradient_accumulation_steps": global_batch // (micro * world)}
+        cand = Candidate(config)
+        out.append(cand)
+        reason = hardware.unsupported(config)
+        if reason:
+            cand.status, cand.reason = "invalid", reason
+            continue
+        try:
+            spec = JobSpec.from_dict(apply(base, config, global_batch))
+            resolve_ds_config(spec, on_gpu=hardware.on_gpu)
+        except ValueError as e:
+            cand.status, cand.reason = "invalid", str(e).splitlines()[-1].strip(" -")
+            continue
+        est = estimate(hardware.shape, spec.strategy, spec.world_size, hardware.on_gpu)
+        cand.memory = {"device": est.device_bytes, "host": est.host_bytes}
+        reason = fits(est, hardware.budget)
+        if reason:
+            cand.status, cand.reason = "pruned", reason
+    return out
+
+
+def auto_micro_batches(global_batch: int, world: int) -> list[int]:
+    per_worker = global_batch // world
+    choices = {m for m in (2 ** i for i in range(per_worker.bit_length())) if per_worker % m == 0}
+    choices.add(per_worker)
+    return sorted(choices)[-MAX_AUTO_MICRO_BATCHES:]
+
+
+def apply(base: dict[str, Any], config: dict[str, Any], global_batch: int) -> dict[str, Any]:
+    """The JobSpec dict of `base` running `config` (all three batch fields explicit, consistent)."""
+    import copy
+
+    data = copy.deepcopy(base)
+    for key, value in config.items():
+        section = SPACE_KEYS.get(key, "strategy")  # gradient_accumulation_steps: strategy
+        data.setdefault(section, {})[key] = value
+    data["strategy"]["global_batch_size"] = global_batch
+    return data
+
+
+def patch(config: dict[str, Any], global_batch: int) -> dict[str, dict[str, Any]]:
+    """The JobSpec sections a tuned `config` changes (what `raylib run --set` / a YAML merge takes)."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in config.items():
+        out.setdefault(SPACE_KEYS.get(key, "strategy"), {})[key] = value
+    out["strategy"]["global_batch_size"] = global_batch
+    return out
+
+
+def _short(key: str) -> str:
+    return {"zero_stage": "zero", "micro_batch_size": "micro", "gradient_accumulation_steps": "accum",
+            "offload_optimizer": "off_opt", "offload_params": "off_par", "num_workers": "workers",
+            "overlap_comm": "overlap", "reduce_bucket_size": "rbucket",
+            "allgather_bucket_size": "agbucket", "prefetch_batches": "prefetch"}.get(key, key)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, int) and v >= 1_000_000:
+        return f"{v / 1e6:g}M"
+    return str(v)

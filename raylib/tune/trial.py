@@ -1,0 +1,104 @@
+"""One tuning trial: a short real training run (a TorchTrainer inside a Tune function trial).
+
+The trial's Train run is named after the trial id, so a retried trial (same id) resumes from its
+run's latest checkpoint and a restored tuning run never mixes two trials' checkpoints. Its
+result is the run's end-to-end throughput after warm-up (data loading included) and the
+workers' peak memory; an out-of-memory failure ends the trial at once as infeasible (retrying
+cannot help), any other failure is raised for Tune to retry.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from raylib.summary import WARMUP_STEPS
+
+
+def trial_spec(base: dict[str, Any], config: dict[str, Any], global_batch: int, trial_id: str,
+               tune: dict[str, Any], trials_dir: str, attempt: int = 1):
+    """The trial's JobSpec. A retry (attempt > 1) resumes from the trial's checkpoint, if any, and
+    runs `steps` more than the steps before it, so it still times a full trial's worth of steps."""
+    from raylib.spec import JobSpec
+    from raylib.tune.space import apply
+
+    data = apply(base, config, global_batch)
+    data["name"] = f"trial-{trial_id}"
+    steps = tune["steps"] * (attempt if tune["checkpoint_every"] else 1)
+    data["run"] = {**data.get("run", {}), "steps": steps, "log_every": tune["report_every"],
+                   "output_dir": trials_dir, "max_failures": 0}  # Tune retries, not Train
+    data["checkpoint"] = {**data.get("checkpoint", {}), "interval_steps": tune["checkpoint_every"],
+                          "at_end": False}
+    return JobSpec.from_dict(data, source=f"trial {trial_id}")
+
+
+def objective_metrics(samples_per_s: float, seq_len: int, world: int,
+                      price_per_device_hour: float | None) -> dict[str, float]:
+    """Throughput, and USD per million tokens when a price is known (inf when nothing ran)."""
+    out = {"samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * seq_len}
+    if price_per_device_hour is not None:
+        tokens_per_hour = samples_per_s * seq_len * 3600
+        out["usd_per_mtok"] = (price_per_device_hour * world * 1e6 / tokens_per_hour
+                               if tokens_per_hour else float("inf"))
+    return out
+
+
+def run_trial(config: dict[str, Any], base: dict[str, Any], global_batch: int, seq_len: int,
+              tune: dict[str, Any], out_dir: str) -> None:
+    """Tune's function trainable (base, tune, ...: bound with tune.with_parameters)."""
+    from ray import tune as ray_tune
+
+    from raylib.train.trainer import run
+    from raylib.tune.probe import ProbeSettings, TrialProbe
+
+    trial_id = ray_tune.get_context().get_trial_id()
+    trials_dir = Path(out_dir) / "trials"
+    attempt = _count_attempt(trials_dir / f"trial-{trial_id}")
+    spec = trial_spec(base, config, global_batch, trial_id, tune, str(trials_dir), attempt)
+    price = tune["price_per_device_hour"]
+    probe = ProbeSettings(global_batch=global_batch, seq_len=seq_len, warmup_steps=WARMUP_STEPS,
+                          world_size=spec.world_size, trial_id=trial_id, price_per_device_hour=price,
+                          crash_at_step=tune["inject_crash_at_step"],
+                          crash_marker=str(Path(out_dir) / "crash-injected"))
+    try:
+        result = run(spec, progress=False, callbacks=[TrialProbe(probe)])
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        ray_tune.report({"step": 0, "status": "oom", "error": str(e).splitlines()[0][:200],
+                         **objective_metrics(0.0, seq_len, spec.world_size, price)})
+        return
+    s = result.summary
+    ray_tune.report({"step": s["steps"], "status": "completed", "attempt": attempt,
+                     "start_step": s["start_step"],
+                     "data_wait_fraction": s["data_wait_fraction"], "trial_wall_s": s["wall_s"],
+                     **objective_metrics(s["samples_per_s"] or 0.0, seq_len, spec.world_size, price)})
+
+
+def _count_attempt(run_dir: Path) -> int:
+    """1 on a trial's first start, 2 on its first retry (Tune's or after `--resume`), ..."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    counter = run_dir / "attempts"
+    attempt = int(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text(str(attempt))
+    return attempt
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch's OutOfMemoryError in a worker, or Ray's memory monitor killing one, anywhere in the
+    chain of causes (Ray Train wraps the workers' errors)."""
+    import ray.exceptions
+
+    seen: set[int] = set()
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ray.exceptions.OutOfMemoryError) or type(e).__name__ == "OutOfMemoryError":
+            return True
+        if "CUDA out of memory" in str(e) or "OutOfMemoryError" in str(e):
+            return True
+        stack += [e.__cause__, e.__context__, *getattr(e, "worker_failures", {}).values()]
+    return False

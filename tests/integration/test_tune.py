@@ -1,0 +1,190 @@
+"""`raylib tune` on a real local Ray: tiny BERT (1 layer), 2 Ray Train workers per trial, DeepSpeed
+on gloo, one trial at a time. One tuning run (CI time is scarce) is checked by every test here.
+
+Its failures are real and injected twice: Ray SIGKILLs (ray.kill) the last training worker of
+the first trial to report step 3, once (its step-2 checkpoint is complete by then); and the
+`raylib tune` driver process is SIGKILLed as soon as the experiment state records a finished
+trial, then `raylib tune --resume` finishes the run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from raylib import JobSpec
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.chaos]
+
+STEPS = 6
+DEADLINE_S = 600
+
+
+def tiny_job(data: str, out) -> dict:
+    return {"name": "t", "model": {"preset": "bert-tiny", "overrides": {"num_hidden_layers": 1}},
+            # through a local cache tier: each rank reads its planned shards itself, so a trial
+            # does not pay for starting a Ray Data pipeline (most of a tiny trial's time otherwise)
+            "data": {"path": data, "manifest": None,
+                     "tiers": [{"name": "hot", "url": str(out / "hot"), "capacity": "64KB"}]},
+            "strategy": {"zero_stage": 2, "micro_batch_size": 8, "optimizer": {"lr": 3e-3},
+                         "lr_schedule": {"type": "constant"}},
+            "scaling": {"num_workers": 2}, "run": {"steps": 8, "output_dir": str(out)}}
+
+
+def finished_trials(experiment: Path) -> list[str]:
+    """Trial ids the experiment state (what `--resume` restores) records as TERMINATED."""
+    states = sorted(experiment.glob("experiment_state-*.json"))
+    try:
+        data = json.loads(states[-1].read_text()) if states else {"trial_data": []}
+    except json.JSONDecodeError:  # caught mid-write
+        return []
+    trials = [json.loads(state) for state, _ in data["trial_data"]]
+    return [t["trial_id"] for t in trials if t["status"] == "TERMINATED"]
+
+
+@pytest.fixture(scope="module")
+def tuning(tiny_dataset, tmp_path_factory):
+    """A grid over 4 runnable configurations (+ 4 that cannot run on CPU) with ASHA, checkpoints
+    every 2 steps, the worker crash, the driver killed after the first finished trial, resumed."""
+    tmp = tmp_path_factory.mktemp("tune")
+    job, settings, out = tmp / "job.yaml", tmp / "tune.yaml", tmp / "out"
+    job.write_text(yaml.safe_dump(tiny_job(tiny_dataset, tmp)))
+    settings.write_text(yaml.safe_dump({
+        "space": {"zero_stage": [0, 1], "micro_batch_size": [4, 8], "offload_optimizer": [False, True]},
+        "search": "grid", "steps": STEPS, "report_every": 1, "checkpoint_every": 2,
+        "inject_crash_at_step": 3, "max_failures": 1}))
+    cmd = [sys.executable, "-m", "raylib.cli", "tune", str(job), "--tune", str(settings), "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own embedded cluster
+
+    t0 = time.monotonic()
+    log = tmp / "first.log"
+    driver = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        while not (done := finished_trials(out / "experiment")):
+            assert driver.poll() is None, f"the driver exited first:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() - t0 < DEADLINE_S, f"no trial finished:\n{log.read_text()[-3000:]}"
+            time.sleep(0.5)
+        driver.send_signal(signal.SIGKILL)  # the driver dies: no cleanup, no final save
+        driver.wait()
+    finally:
+        _kill_session(driver)
+    assert driver.returncode == -signal.SIGKILL
+    at_kill = {trial: _files(out / "trials" / f"trial-{trial}") for trial in done}
+
+    stdout, stderr = tmp / "resumed.out", tmp / "resumed.err"
+    driver = subprocess.Popen([*cmd, "--resume"], env=env, stdout=stdout.open("w"), stderr=stderr.open("w"),
+                              start_new_session=True)
+    try:
+        driver.wait(timeout=DEADLINE_S)
+    finally:
+        _kill_session(driver)
+    assert driver.returncode == 0, stdout.read_text()[-2000:] + stderr.read_text()[-3000:]
+    print(f"\ntuning (both drivers) took {time.monotonic() - t0:.0f} s\n{stdout.read_text()}")
+    return {"job": job, "out": out, "stdout": stdout.read_text(), "at_kill": at_kill,
+            "rows": json.loads((out / "trials.json").read_text())}
+
+
+def _files(run_dir: Path) -> dict[str, int]:
+    return {"summary_mtime": (run_dir / "summary.json").stat().st_mtime_ns,
+            "attempts": int((run_dir / "attempts").read_text())}
+
+
+def _kill_session(driver: subprocess.Popen) -> None:
+    """The driver, if still running, and what is left of its session (its embedded Ray cluster),
+    by pid."""
+    if driver.poll() is None:
+        driver.kill()
+        driver.wait()
+
+    def pids() -> list[int]:
+        out = []
+        for p in psutil.process_iter(["pid", "status"]):
+            try:
+                if os.getsid(p.pid) == driver.pid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    out.append(p.pid)
+            except (ProcessLookupError, PermissionError):
+                continue
+        return out
+
+    deadline = time.monotonic() + 15
+    while pids() and time.monotonic() < deadline:
+        time.sleep(0.5)  # Ray's processes notice that their driver died and exit
+    for pid in pids():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_every_configuration_runs_or_is_recorded(tuning):
+    rows = tuning["rows"]
+    trials = [r for r in rows if r["trial"]]
+    assert {(r["zero_stage"], r["micro_batch_size"]) for r in trials} == {(0, 4), (0, 8), (1, 4), (1, 8)}
+    assert len(trials) == 4, tuning["stdout"]
+    assert all(r["status"] in ("completed", "stopped") for r in trials), tuning["stdout"]
+    assert all(r["samples_per_s"] > 0 and r["peak_gib"] > 0.1 for r in trials), tuning["stdout"]
+    assert all(r["micro_batch_size"] * r["gradient_accumulation_steps"] * 2 == 16 for r in trials)
+    # Offloading to CPU is meaningless when training on CPU: recorded, never launched.
+    invalid = [r for r in rows if r["status"] == "invalid"]
+    assert len(invalid) == 4 and all(r["offload_optimizer"] for r in invalid)
+
+
+def test_a_crashed_trial_is_retried_from_its_checkpoint(tuning):
+    marker = (tuning["out"] / "crash-injected").read_text()
+    crashed = re.fullmatch(r"killed the last training worker of trial (\w+) at step 3\n", marker).group(1)
+    row = next(r for r in tuning["rows"] if r["trial"] == crashed)
+    assert row["status"] == "completed", tuning["stdout"]
+    # Its latest complete checkpoint when the worker died: step 2, or 4 when the ranks had run
+    # ahead of the controller that killed one of them.
+    resumed = int(re.fullmatch(r"attempt 2, resumed from step (\d+)", row["note"]).group(1))
+    summary = json.loads((tuning["out"] / "trials" / f"trial-{crashed}" / "summary.json").read_text())
+    assert summary["start_step"] == resumed and resumed in (2, 4)
+    assert summary["steps"] == 2 * STEPS  # a retry still times a full trial's steps after it
+
+
+def test_resume_does_not_rerun_finished_trials(tuning):
+    for trial, before in tuning["at_kill"].items():
+        assert _files(tuning["out"] / "trials" / f"trial-{trial}") == before, f"trial {trial} ran again"
+        assert next(r for r in tuning["rows"] if r["trial"] == trial)["status"] == "completed"
+
+
+def test_outputs_and_a_patch_that_raylib_run_accepts(tuning, capsys):
+    from raylib.cli import main
+
+    out, rows = tuning["out"], tuning["rows"]
+    with open(out / "trials.csv") as f:
+        assert [r["trial"] for r in csv.DictReader(f)] == [r["trial"] for r in rows]
+    assert (out / "throughput.png").stat().st_size > 1000
+    assert (out / "table.txt").read_text().split("\n", 1)[0].split()[:3] == ["trial", "status", "config"]
+    best = rows[0]
+    assert best["status"] == "completed"
+    assert best["samples_per_s"] == max(r["samples_per_s"] for r in rows if r["status"] == "completed")
+
+    best_ds = json.loads((out / "best_ds_config.json").read_text())
+    assert best_ds["zero_optimization"]["stage"] == best["zero_stage"]
+    assert best_ds["train_micro_batch_size_per_gpu"] == best["micro_batch_size"]
+    assert best_ds["train_batch_size"] == 16
+
+    flags = (out / "best_overrides.txt").read_text().split()
+    assert f"raylib run {tuning['job']} {' '.join(flags)}" in tuning["stdout"]
+    capsys.readouterr()
+    assert main(["run", str(tuning["job"]), *flags, "--dry-run"]) == 0
+    dry = capsys.readouterr().out.split("# effective DeepSpeed config")[1].split("\n", 1)[1]
+    assert json.loads(dry) == best_ds
+
+    merged = yaml.safe_load(tuning["job"].read_text())
+    for section, values in yaml.safe_load((out / "best_patch.yaml").read_text()).items():
+        merged[section].update(values)
+    assert JobSpec.from_dict(merged).strategy.zero_stage == best["zero_stage"]

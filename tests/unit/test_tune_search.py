@@ -1,0 +1,109 @@
+"""The search algorithm, driven through Tune's Searcher interface on known landscapes (no cluster):
+coordinate search finds the optimum with a fraction of the grid's trials, grid and random follow
+their plans, and the state survives save/restore (what `raylib tune --resume` relies on)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from ray.tune.search import Searcher
+
+from raylib.tune.search import StrategySearcher, prior_order
+from raylib.tune.space import TuneSpec
+
+pytestmark = pytest.mark.unit
+
+GRID = [{"zero_stage": z, "micro_batch_size": m, "gradient_accumulation_steps": 16 // m}
+        for z, m in itertools.product([0, 1, 2, 3], [2, 4, 8, 16])]
+
+
+def throughput(config: dict) -> float:
+    """Unimodal in each key: best at ZeRO-1, micro-batch 8."""
+    micro_rank = {2: 0, 4: 1, 8: 2, 16: 3}[config["micro_batch_size"]]
+    return 100.0 - 10 * abs(config["zero_stage"] - 1) - 7 * abs(micro_rank - 2)
+
+
+def drive(searcher: StrategySearcher, objective=throughput, stop_after: int | None = None) -> list[dict]:
+    searcher.set_search_properties("samples_per_s", "max", {})
+    tried = []
+    for n in itertools.count():
+        if stop_after is not None and n == stop_after:
+            break
+        config = searcher.suggest(f"t{n}")
+        if config == Searcher.FINISHED:
+            break
+        if searcher.method == "coordinate":  # sequential: nothing new while a trial runs
+            assert searcher.suggest(f"t{n}-next") is None
+        tried.append(config)
+        searcher.on_trial_complete(f"t{n}", {"samples_per_s": objective(config)})
+    return tried
+
+
+def test_prior_order_follows_the_rules_of_thumb():
+    configs = [{"offload_optimizer": o, "zero_stage": z, "micro_batch_size": m}
+               for o, z, m in itertools.product([True, False], [3, 0], [4, 16])]
+    first = prior_order(configs, "throughput", on_gpu=True)[0]
+    assert first == {"offload_optimizer": False, "zero_stage": 0, "micro_batch_size": 16}
+    workers = [{"num_workers": w} for w in (2, 8)]
+    assert prior_order(workers, "throughput", on_gpu=True)[0] == {"num_workers": 8}
+    assert prior_order(workers, "cost_per_token", on_gpu=True)[0] == {"num_workers": 2}
+
+
+def test_coordinate_search_finds_the_optimum_with_few_trials():
+    configs = prior_order(GRID, "throughput", on_gpu=False)
+    tried = drive(StrategySearcher(configs, "coordinate", None, None))
+    best = max(tried, key=throughput)
+    assert throughput(best) == max(map(throughput, GRID))
+    assert len(tried) <= len(GRID) // 2, tried
+    assert len({tuple(c.items()) for c in tried}) == len(tried)  # never the same config twice
+
+
+def test_a_failed_neighbour_is_not_a_better_one():
+    configs = prior_order(GRID, "throughput", on_gpu=False)
+    searcher = StrategySearcher(configs, "coordinate", None, None)
+    searcher.set_search_properties("samples_per_s", "max", {})
+    first = searcher.suggest("a")
+    searcher.on_trial_complete("a", {"samples_per_s": 50.0})
+    second = searcher.suggest("b")
+    searcher.on_trial_complete("b", None, error=True)
+    assert searcher.configs[searcher.incumbent] == first and second != first
+
+
+def test_min_gain_keeps_the_incumbent_within_noise():
+    configs = prior_order(GRID, "throughput", on_gpu=False)
+    tried = drive(StrategySearcher(configs, "coordinate", None, None, min_gain=0.5))
+    assert len(tried) == 3  # the start and its two neighbours: none is 50 % better
+
+
+def test_grid_runs_everything_and_random_a_seeded_third():
+    assert len(drive(StrategySearcher(GRID, "grid", None, None))) == len(GRID)
+    first = drive(StrategySearcher(GRID, "random", None, None, seed=3))
+    again = drive(StrategySearcher(GRID, "random", None, None, seed=3))
+    assert first == again and len(first) == len(GRID) // 3 + 1
+    assert len(drive(StrategySearcher(GRID, "random", None, None, max_trials=5))) == 5
+
+
+def test_state_survives_save_and_restore(tmp_path):
+    configs = prior_order(GRID, "throughput", on_gpu=False)
+    whole = drive(StrategySearcher(configs, "coordinate", None, None))
+
+    searcher = StrategySearcher(configs, "coordinate", None, None)
+    head = drive(searcher, stop_after=2)
+    pending = searcher.suggest("in-flight")  # the driver dies while this trial runs
+    searcher.save(str(tmp_path / "state.json"))
+
+    restored = StrategySearcher([], "grid", None, None)
+    restored.restore(str(tmp_path / "state.json"))
+    restored.on_trial_complete("in-flight", {"samples_per_s": throughput(pending)})
+    tail = drive(restored)
+    assert head + [pending] + tail == whole
+
+
+def test_asha_rungs_end_before_the_last_report():
+    from raylib.tune.runner import _scheduler
+
+    tune = TuneSpec(steps=16, report_every=2)
+    asha = _scheduler(tune)
+    rungs = [milestone for milestone, _ in asha._brackets[0]._rungs]
+    assert rungs and max(rungs) < tune.steps and min(rungs) == tune.asha_grace_steps() >= 4

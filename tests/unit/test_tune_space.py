@@ -1,0 +1,151 @@
+"""Tune settings and the search space: validation, the fixed global batch, what cannot run here,
+and the exported patch that `raylib run` accepts."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+import yaml
+
+from raylib.spec import JobSpec, ModelSpec, SpecError
+from raylib.tune.memory import Budget, Hardware, model_shape
+from raylib.tune.report import format_table, overrides
+from raylib.tune.space import TuneSpec, apply, auto_micro_batches, candidates, patch
+
+pytestmark = pytest.mark.unit
+
+BASE = {"name": "t", "model": {"preset": "bert-tiny", "overrides": {"num_hidden_layers": 1}},
+        "scaling": {"num_workers": 2}, "strategy": {"micro_batch_size": 8, "gradient_accumulation_steps": 2}}
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    shape = model_shape(ModelSpec(**BASE["model"]), vocab_size=600, seq_len=32)
+    return Hardware(on_gpu=False, budget=Budget(device_bytes=64 << 30), shape=shape,
+                    precisions=("fp32", "bf16"))
+
+
+def test_settings_are_validated_with_the_fix():
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['gradient_accumulation_steps'\].*follows"):
+        TuneSpec(space={"gradient_accumulation_steps": [1, 2]})
+    with pytest.raises(ValueError, match="non-empty list"):
+        TuneSpec(space={"zero_stage": []})
+    with pytest.raises(ValueError, match="needs price_per_device_hour"):
+        TuneSpec(objective="cost_per_token")
+    with pytest.raises(ValueError, match="must be below steps"):
+        TuneSpec(steps=8, inject_crash_at_step=8)
+    with pytest.raises(ValueError, match="size '2 lots' not understood"):
+        TuneSpec(memory_budget="2 lots")
+    assert TuneSpec(objective="cost_per_token", price_per_device_hour=2.0).mode == "min"
+
+
+def test_settings_file_and_overrides(tmp_path):
+    path = tmp_path / "tune.yaml"
+    path.write_text("space: {zero_stage: [1, 2]}\nsearch: grid\nmemory_budget: 8GB\n")
+    tune = TuneSpec.from_yaml(path, ["steps=10", "space.micro_batch_size=[4, 8]"])
+    assert tune.space == {"zero_stage": [1, 2], "micro_batch_size": [4, 8]}
+    assert (tune.search, tune.steps, tune.budget_bytes()) == ("grid", 10, 8 << 30)
+    with pytest.raises(SpecError, match="search: Input should be"):
+        TuneSpec.from_yaml(path, ["search=bayes"])
+
+
+def test_candidates_keep_the_global_batch(cpu):
+    tune = TuneSpec(space={"zero_stage": [1], "micro_batch_size": [2, 3, 4, 8, 16], "num_workers": [1, 2]})
+    cands = candidates(BASE, tune, global_batch=32, hardware=cpu)
+    got = {(c.config["micro_batch_size"], c.config["num_workers"]): c.config for c in cands}
+    assert (3, 1) not in got and (3, 2) not in got  # 32 is not a multiple of 3: not in the space
+    for (micro, workers), config in got.items():
+        assert micro * config["gradient_accumulation_steps"] * workers == 32
+    assert all(c.status == "candidate" for c in cands)
+    spec = JobSpec.from_dict(apply(BASE, got[(4, 2)], 32))
+    assert (spec.strategy.micro_batch_size, spec.strategy.gradient_accumulation_steps) == (4, 4)
+
+
+def test_micro_batches_default_to_powers_of_two_that_divide():
+    assert auto_micro_batches(64, 2) == [4, 8, 16, 32]
+    assert auto_micro_batches(48, 2) == [2, 4, 8, 24]
+    assert auto_micro_batches(2, 2) == [1]
+
+
+def test_what_cannot_run_here_is_recorded_not_launched(cpu):
+    tune = TuneSpec(space={"zero_stage": [0, 2, 3], "micro_batch_size": [8],
+                           "offload_optimizer": [False, True], "offload_params": [False, True],
+                           "precision": ["fp32", "fp16"]})
+    cands = candidates(BASE, tune, global_batch=16, hardware=cpu)
+    reasons = {c.label(): (c.status, c.reason) for c in cands}
+    assert reasons["off_par=off off_opt=off zero=2 micro=8 precision=fp16 accum=1"] == (
+        "invalid", "fp16 is not supported by the workers' accelerator (CPU)")
+    assert reasons["off_par=off off_opt=on zero=2 micro=8 precision=fp32 accum=1"][1] == \
+        "offload to CPU saves nothing when the workers train on CPU"
+    runnable = [c.label() for c in cands if c.status == "candidate"]
+    assert runnable == [f"off_par=off off_opt=off zero={z} micro=8 precision=fp32 accum=1" for z in (0, 2, 3)]
+
+    gpu = Hardware(on_gpu=True, budget=cpu.budget, shape=cpu.shape, precisions=("fp32", "fp16", "bf16"))
+    on_gpu = {c.label(): (c.status, c.reason) for c in candidates(BASE, tune, 16, gpu)}
+    status, reason = on_gpu["off_par=on off_opt=off zero=2 micro=8 precision=fp32 accum=1"]
+    assert status == "invalid" and "offload_params needs zero_stage 3" in reason
+    assert on_gpu["off_par=on off_opt=on zero=3 micro=8 precision=fp16 accum=1"][0] == "candidate"
+
+
+def test_exported_patch_is_accepted_by_raylib_run(tmp_path):
+    from raylib.cli import main
+
+    config = {"zero_stage": 3, "micro_batch_size": 4, "gradient_accumulation_steps": 2, "precision": "bf16",
+              "overlap_comm": True, "num_workers": 2, "prefetch_batches": 8}
+    sections = patch(config, global_batch=16)
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(yaml.safe_dump(BASE))
+    items = overrides(sections)
+    assert "strategy.overlap_comm=true" in items and "scaling.num_workers=2" in items
+    assert "data.prefetch_batches=8" in items
+    spec = JobSpec.from_yaml(spec_file, overrides=items)
+    s = spec.strategy
+    assert (s.zero_stage, s.precision, s.overlap_comm) == (3, "bf16", True)
+
+    merged = tmp_path / "merged.yaml"  # the same patch merged into the YAML
+    data = yaml.safe_load(spec_file.read_text())
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    merged.write_text(yaml.safe_dump(data))
+    assert JobSpec.from_yaml(merged).strategy == spec.strategy
+    assert JobSpec.from_yaml(merged).data.prefetch_batches == spec.data.prefetch_batches == 8
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["run", str(spec_file), *[a for o in items for a in ("--set", o)], "--dry-run"]) == 0
+    ds_config = json.loads(out.getvalue().split("# effective DeepSpeed config")[1].split("\n", 1)[1])
+    assert ds_config["zero_optimization"]["stage"] == 3
+    assert ds_config["train_micro_batch_size_per_gpu"] == 4 and ds_config["gradient_accumulation_steps"] == 2
+
+
+def test_table_lists_every_row():
+    rows = [{"trial": "a1", "status": "completed", "config": "zero=1", "samples_per_s": 123.456, "note": ""},
+            {"trial": "", "status": "pruned", "config": "zero=0", "note": "needs ~3 GiB"}]
+    lines = format_table(rows).splitlines()
+    assert lines[0].split() == ["trial", "status", "config", "samples_per_s", "note"]
+    assert lines[1].split() == ["a1", "completed", "zero=1", "123.5"]
+    assert "pruned" in lines[2] and lines[2].endswith("needs ~3 GiB")
+
+
+def test_cli_refuses_to_resume_nothing_or_to_overwrite(tmp_path, capsys):
+    from raylib.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(BASE))
+    assert main(["tune", str(job), "--out", str(tmp_path / "t"), "--resume"]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+    (tmp_path / "t" / "experiment").mkdir(parents=True)
+    assert main(["tune", str(job), "--out", str(tmp_path / "t")]) == 2
+    assert "holds a tuning run already; add --resume" in capsys.readouterr().err
+    assert main(["tune", str(job), "--tune-set", "objective=cost_per_token"]) == 2
+    assert "needs price_per_device_hour" in capsys.readouterr().err
+
+
+def test_shipped_tune_settings_load():
+    from tests.conftest import REPO
+
+    for path in sorted((REPO / "jobs" / "tune").glob("*.yaml")):
+        assert TuneSpec.from_yaml(path).space, path

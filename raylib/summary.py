@@ -127,7 +127,8 @@ def plot_tiers(timeline: list[dict[str, Any]], path: Path, title: str) -> None:
     hits_ax.set(xlabel="seconds since the pipeline started", ylabel="shards (cumulative)")
     for ax in (moved_ax, hits_ax):
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper left", fontsize=8)
+        if ax.get_lines():  # a resumed run may move nothing after its restart
+            ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

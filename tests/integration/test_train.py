@@ -27,11 +27,14 @@ def tiny_spec(data_path: str, out, **sections) -> JobSpec:
     return JobSpec.from_dict(base)
 
 
-# ZeRO-1 runs in test_gang, ZeRO-2 (the default) in test_tiered_train: here the two ends.
+# ZeRO-1 runs in test_gang, ZeRO-2 (the default) in test_tiered_train: here the two ends, one
+# reading through Ray Data (no tiers), the other through a local cache tier (the ranks' own
+# planned reads; it starts faster).
 @pytest.mark.parametrize("stage", [0, 3])
 def test_zero_stages_train_and_agree(stage, tiny_dataset, tmp_path, ray_local):
+    tiers = [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "64KB"}] if stage == 3 else []
     spec = tiny_spec(tiny_dataset, tmp_path, name=f"zero{stage}",
-                     strategy={"zero_stage": stage})
+                     strategy={"zero_stage": stage}, data={"tiers": tiers})
     result = run(spec, progress=False)
     s = result.summary
 

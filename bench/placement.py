@@ -8,7 +8,9 @@ Prints JSON. (1) planner: planning time and bytes per training step crossing eac
 shapes, against Ray PACK (ranks in order onto free GPUs in node order) on the same free GPUs.
 (2) simulator: the Philly trace through raylib (topology-aware, priorities, EASY backfill) vs
 FIFO (topology-aware, no backfill) vs ray-default (PACK, FIFO): average JCT, p95 queueing delay,
-utilisation, mean placement cost.
+utilisation, mean placement cost. (3) real cluster: reserve and release N gangs one after another
+through the gang scheduler actor on a multi-raylet `ray.cluster_utils.Cluster` with labelled
+nodes and logical GPUs, against a bare Ray placement group (PACK, no topology, no queue).
 """
 
 from __future__ import annotations
@@ -114,6 +116,71 @@ def sim_bench(args) -> dict:
     return out
 
 
+def real_cluster_bench(gangs: int) -> dict:
+    """Wall time per reserve (submit -> placement group ready) and per release (-> removed)."""
+    import statistics
+
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from raylib.placement.gang import GangSchedulerActor, on_head_node, reserve
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for leaf in ("l0", "l0", "l1", "l1"):
+        cluster.add_node(num_cpus=4, num_gpus=4, labels={"leaf": leaf, "spine": "s0"})  # a CPU per GPU bundle
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    shape = Parallelism(dp=4, tp=2)
+    try:
+        actor = ray.remote(GangSchedulerActor).options(
+            num_cpus=0, max_concurrency=32, scheduling_strategy=on_head_node()).remote()
+        ray.get(actor.jobs.remote())  # started before the clock runs
+        times: dict[str, dict[str, list[float]]] = {"raylib_gang": {"reserve": [], "release": []},
+                                                     "ray_placement_group": {"reserve": [], "release": []}}
+        for i in range(gangs):
+            t0 = time.perf_counter()
+            res = reserve(f"bench-{i}", shape, actor=actor, timeout_s=120, poll_s=0.01)
+            t1 = time.perf_counter()
+            pg_id = ray.get(actor.placement_groups.remote())[f"bench-{i}"]
+            res.release()
+            while ray.util.placement_group_table().get(pg_id, {}).get("state") != "REMOVED":
+                time.sleep(0.005)  # removed in the GCS (as below), not just asked to be
+            t2 = time.perf_counter()
+            times["raylib_gang"]["reserve"].append(t1 - t0)
+            times["raylib_gang"]["release"].append(t2 - t1)
+        for _ in range(gangs):  # the same gangs as bare placement groups, in a block of their own
+            t0 = time.perf_counter()
+            pg = placement_group([{"CPU": 1, "GPU": 1}] * shape.world, strategy="PACK")  # the gang's bundles
+            ray.get(pg.ready())
+            t1 = time.perf_counter()
+            remove_placement_group(pg)
+            while ray.util.placement_group_table(pg)["state"] != "REMOVED":
+                time.sleep(0.005)
+            t2 = time.perf_counter()
+            times["ray_placement_group"]["reserve"].append(t1 - t0)
+            times["ray_placement_group"]["release"].append(t2 - t1)
+        ray.get(actor.shutdown.remote())
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+    def stats(xs: list[float]) -> dict:
+        xs = sorted(xs)
+        return {"median_ms": round(statistics.median(xs) * 1e3, 1),
+                "p95_ms": round(xs[int(0.95 * (len(xs) - 1))] * 1e3, 1),
+                "total_s": round(sum(xs), 2)}
+
+    out = {"cluster": "ray.cluster_utils.Cluster: 4 raylets x 4 logical GPUs, 2 leaves, one machine",
+           "gang": "dp=4 x tp=2 (8 GPUs on 2 nodes), reserved and released one after another (the gangs, "
+                "then as many bare placement groups); release = until the GCS shows it REMOVED",
+           "gangs": gangs, "results": {k: {op: stats(v) for op, v in d.items()} for k, d in times.items()}}
+    r = out["results"]
+    out["reserve_median_vs_ray"] = _ratio(r["raylib_gang"]["reserve"]["median_ms"],
+                                          r["ray_placement_group"]["reserve"]["median_ms"])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=PHILLY)
@@ -122,10 +189,14 @@ def main() -> None:
     ap.add_argument("--sim-nodes", type=lambda s: [int(x) for x in s.split(",")], default=[32, 48])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-sim", action="store_true")
+    ap.add_argument("--gangs", type=int, default=100, help="real-cluster part: gangs to reserve and "
+                    "release (0: skip)")
     args = ap.parse_args()
     out = {"planner": planner_bench(args.seed)}
     if not args.skip_sim:
         out["simulator"] = sim_bench(args)
+    if args.gangs:
+        out["real_cluster"] = real_cluster_bench(args.gangs)
     print(json.dumps(out, indent=2))
 
 

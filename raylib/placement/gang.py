@@ -25,7 +25,8 @@ from raylib.placement.queue import GangQueue, Job, Policy, Preempt, Start, Timeo
 
 ACTOR_NAME = "raylib-gang-scheduler"
 NAMESPACE = "raylib"
-TICK_S = 0.2
+TICK_S = 0.2  # the queue is looked at this often, and at once after a submit or a release
+READY_POLL_S = 0.01  # how often a pending placement group is checked
 
 
 class GangSchedulerActor:
@@ -44,6 +45,7 @@ class GangSchedulerActor:
         self.preempt_flags: set[str] = set()
         self.lock = threading.RLock()
         self.t0 = time.monotonic()
+        self._wake = threading.Event()
         threading.Thread(target=self._loop, daemon=True, name="gang-tick").start()
 
     # -- remote API ---------------------------------------------------------------------------
@@ -58,6 +60,7 @@ class GangSchedulerActor:
                       duration_estimate=duration_s)
             self.queue.submit(job)
             self.status[job_id] = {"state": "queued", "reason": None, "preemptions": 0}
+        self._wake.set()
 
     def poll(self, job_id: str) -> dict[str, Any]:
         """state: queued | reserving | ready | timed_out | released; plus reason and plan."""
@@ -78,6 +81,7 @@ class GangSchedulerActor:
             if job is not None and job.state.value == "running":
                 self.queue.finish(job_id)
                 self.status[job_id]["state"] = "released"
+        self._wake.set()  # its accelerators may start the next job
 
     def handoff(self, job_id: str) -> None:
         """Free the job's placement group for its own workers; accounting stays with the job."""
@@ -124,7 +128,9 @@ class GangSchedulerActor:
                 except Exception as e:  # keep scheduling; surface the error on every job
                     for st in self.status.values():
                         st["error"] = repr(e)
-            time.sleep(TICK_S)
+                pending = any(st["state"] == "reserving" for st in self.status.values())
+            self._wake.wait(READY_POLL_S if pending else TICK_S)
+            self._wake.clear()
 
     def _step(self) -> None:
         from ray.util.placement_group import placement_group

@@ -31,8 +31,10 @@ def job(args, out_dir: str) -> JobSpec:
     return JobSpec.from_dict({
         "name": "autotune",
         "model": {"preset": args.model},
+        # ranks read through a node-local cache tier (no Ray Data pipeline to start per trial)
         "data": {"path": str(REPO / ".raylib/data/ecommerce"),
-                 "manifest": str(REPO / "datasets/ecommerce.yaml")},
+                 "manifest": str(REPO / "datasets/ecommerce.yaml"),
+                 "tiers": [{"name": "hot", "url": f"{out_dir}/hot", "capacity": "256MB"}]},
         "strategy": {"global_batch_size": args.global_batch, "lr_schedule": {"type": "constant"}},
         "scaling": {"num_workers": args.workers},
         "run": {"output_dir": out_dir},

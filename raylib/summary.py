@@ -39,8 +39,23 @@ class RunResult:
                         f"moved {moved or 'nothing'}; skipped {data['shards_skipped']}")
         ckpt = self.summary.get("checkpoint")
         if ckpt:
-            rows.append(f"  {'checkpoints':<{width}}  {_fmt(ckpt)}")
+            rows.append(f"  {'checkpoints':<{width}}  {_checkpoint_line(ckpt)}")
         return "\n".join([f"run {self.summary['name']}  ({self.run_dir})", *rows])
+
+
+def _checkpoint_line(c: dict[str, Any]) -> str:
+    """One readable line for the object-store checkpoints (summary.json has every field)."""
+    if c.get("mode") != "memory":
+        return _fmt(c)
+    line = (f"{c.get('snapshots', 0)} in memory, training blocked {c.get('blocked_s_mean') or 0:.3f} s "
+            f"each (max {c.get('blocked_s_max') or 0:.3f}), {(c.get('bytes_per_snapshot') or 0) / 2**20:.1f} "
+            f"MiB, replicas {c.get('replicas')}, persisted steps {c.get('persisted_steps')}")
+    if c.get("refused"):
+        line += f"; {c['refused']} refused ({c['refused_first']})"
+    if c.get("restored_step") is not None:
+        line += (f"; restored step {c['restored_step']} from {c.get('restore_source')} "
+                 f"in {c.get('restore_s') or 0:.2f} s")
+    return line
 
 
 def summarize(spec, history: dict[str, Any], index, ds_config: dict[str, Any],

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.integration.conftest import connect_driver
+from tests.integration.ray_head import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -23,10 +24,17 @@ def labelled_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    # Train V2's placement-group cleaner asks the State API whether a run's controller lives: pin
+    # it to this cluster's dashboard, or on a shared host it may ask another cluster, find no such
+    # controller and remove a live run's placement group.
+    port = free_port()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port})
     nodes = [cluster.add_node(num_cpus=4, num_gpus=4, labels={"leaf": leaf, "spine": "s0"})
              for leaf in LEAVES]
-    connect_driver(f"cluster:{cluster.address}", lambda: ray.init(address=cluster.address))
+    api = f"http://127.0.0.1:{port}"
+    connect_driver(f"cluster:{cluster.address}", lambda: ray.init(
+        address=cluster.address, runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": api}}))
     cluster.wait_for_nodes()
     yield cluster, nodes
     ray.shutdown()

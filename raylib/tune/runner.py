@@ -121,7 +121,9 @@ def _new_tuner(trainable, settings: TuneSpec, runnable: list[dict[str, Any]], ou
 
     from raylib.tune.search import StrategySearcher
 
-    searcher = StrategySearcher(runnable, settings.search, metric=None, mode=None,
+    # The objective is given here: Tune calls set_search_properties only when there is a
+    # param_space, and there is none (the searcher owns the space).
+    searcher = StrategySearcher(runnable, settings.search, metric=settings.metric, mode=settings.mode,
                                 max_trials=settings.max_trials, min_gain=settings.min_gain,
                                 seed=settings.seed)
     return ray_tune.Tuner(

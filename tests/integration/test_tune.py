@@ -188,3 +188,37 @@ def test_outputs_and_a_patch_that_raylib_run_accepts(tuning, capsys):
     for section, values in yaml.safe_load((out / "best_patch.yaml").read_text()).items():
         merged[section].update(values)
     assert JobSpec.from_dict(merged).strategy.zero_stage == best["zero_stage"]
+
+
+# Throughput by (zero_stage, micro_batch_size): unimodal, best away from the rule-of-thumb start.
+LANDSCAPE = {(0, 32): 480, (0, 16): 470, (0, 8): 452, (1, 32): 494, (1, 16): 511, (1, 8): 447,
+             (2, 32): 492, (2, 16): 458, (2, 8): 355, (3, 32): 370, (3, 16): 304, (3, 8): 224}
+
+
+def _landscape_trial(config):
+    """A trial whose throughput is LANDSCAPE's (the search under test, not training)."""
+    from ray import tune as ray_tune
+
+    speed = LANDSCAPE[(config["zero_stage"], config["micro_batch_size"])]
+    for step in range(2, 13, 2):
+        ray_tune.report({"step": step, "samples_per_s": speed})
+
+
+def test_coordinate_search_under_tune_walks_to_the_best_with_few_trials(ray_local, tmp_path):
+    """The searcher inside a real Tune run (ASHA, one trial at a time) with a known landscape:
+    it must climb from the rule-of-thumb start to the best and stop, not try everything."""
+    from raylib.tune.runner import _new_tuner
+    from raylib.tune.search import prior_order
+    from raylib.tune.space import TuneSpec
+
+    settings = TuneSpec(space={"zero_stage": [0, 1, 2, 3], "micro_batch_size": [8, 16, 32]},
+                        steps=12, report_every=2)
+    configs = prior_order([{"zero_stage": z, "micro_batch_size": m} for (z, m) in LANDSCAPE],
+                          settings.objective, on_gpu=False)
+    results = _new_tuner(_landscape_trial, settings, configs, tmp_path).fit()
+    tried = [(r.config["zero_stage"], r.config["micro_batch_size"]) for r in results]
+    # start (0,32); its neighbours (0,16), (1,32): (1,32) is > 2% better -> its untried neighbour
+    # (1,16) is better again -> (1,8) and (2,16) are not: stop. 6 of the 12 configurations.
+    assert sorted(tried) == sorted([(0, 32), (0, 16), (1, 32), (1, 16), (1, 8), (2, 16)]), tried
+    best = max(results, key=lambda r: r.metrics.get("samples_per_s", 0))
+    assert (best.config["zero_stage"], best.config["micro_batch_size"]) == (1, 16)

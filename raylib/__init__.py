@@ -31,7 +31,7 @@ def autotune(spec: JobSpec, settings=None, address: str | None = None, out_dir=N
     """Search `spec`'s training strategy with Ray Tune (`raylib tune`): short real trials, pruned
     by a memory model, early-stopped by ASHA. `settings`: a raylib.tune.TuneSpec (None: defaults).
     Returns a TuneResult: every trial's row, the best one, and the `--set` overrides that run it."""
-    from raylib.tune import tune
+    from raylib.tune.runner import tune
 
     return tune(spec, settings, address=address, out_dir=out_dir, resume=resume)
 

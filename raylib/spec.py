@@ -222,6 +222,17 @@ class CheckpointSpec(_Section):
     max_store_fraction: float = Field(0.5, gt=0, le=1)
     """Refuse a snapshot that would need more than this fraction of a node's object store."""
 
+    @model_validator(mode="after")
+    def _memory_fields_need_in_memory(self) -> CheckpointSpec:
+        memory_only = {"replicas", "persist_url", "storage_options", "keep_in_memory",
+                       "keep_persisted", "max_store_fraction"}
+        ignored = sorted(memory_only & self.model_fields_set)
+        if not self.in_memory and ignored:
+            raise ValueError(f"{', '.join(ignored)} apply to object-store checkpoints only; set "
+                             "in_memory: true or remove them (in_memory: false writes DeepSpeed "
+                             "files through Ray Train's storage, kept by `keep`)")
+        return self
+
 
 class RunSpec(_Section):
     steps: int = Field(50, ge=1)

@@ -84,7 +84,7 @@ class TuneSpec(BaseModel):
     checkpoints; a short trial restarts cheaply)."""
     inject_crash_at_step: int | None = Field(None, ge=1)
     """Chaos testing: the first trial reaching this step has its last training worker killed
-    (os._exit) once in the whole tuning run; the retry runs clean."""
+    (ray.kill: SIGKILL) once in the whole tuning run; the retry runs clean."""
     seed: int = 0
     """random search's sample."""
 

@@ -438,3 +438,9 @@ def test_checkpoint_section_rejects_impossible_values():
                               ({"persist": "s3://x"}, "checkpoint.persist: unknown key")]:
         with pytest.raises(SpecError, match=fragment):
             JobSpec.from_dict({"checkpoint": section})
+
+
+def test_object_store_fields_without_in_memory_are_an_error():
+    with pytest.raises(SpecError, match="persist_url, replicas apply to object-store checkpoints only"):
+        JobSpec.from_dict({"checkpoint": {"in_memory": False, "replicas": 2, "persist_url": "s3://b/c"}})
+    assert not JobSpec.from_dict({"checkpoint": {"in_memory": False, "keep": 3}}).checkpoint.in_memory

@@ -47,6 +47,8 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
     )
     checkpointer = checkpointing.Checkpointer(spec, config["run_dir"])
     start, state = checkpointer.restore(engine)
+    # what came back, compared exactly with the saving run's final digest (a collective: every rank)
+    restored_digest = _parameter_digest(engine, spec.strategy.zero_stage) if start else None
     state = _own_state(state, rank)
     _restore_rng(state.get("rng"), on_gpu)
     accum = engine.gradient_accumulation_steps()
@@ -121,6 +123,7 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
         "loop_s": loop_s,
         "global_batch": global_batch,
         "param_digests": [d[0] for d in digests],
+        "restored_param_digest": restored_digest,
         "rank_nodes": [d[1] for d in digests],
         "data_ranks": [d[2] for d in digests] if data_metrics else None,
         "checkpoint": checkpointer.metrics(),

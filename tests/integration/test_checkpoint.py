@@ -251,9 +251,10 @@ def kill_a_worker_after_a_checkpoint(api: str, prefix: str, seen: dict, timeout_
             workers = list_actors(address=api, filters=[("class_name", "=", "RayTrainWorker"),
                                                          ("state", "=", "ALIVE")])
             pids = [w["pid"] for w in workers if w.get("pid")]
-        elif complete := complete_in_memory(prefix):
+        elif complete_in_memory(prefix):
             os.kill(pids[-1], signal.SIGKILL)
-            seen["killed_after"] = complete[-1]
+            # asked again after the kill: training may have gone on while the first answer came
+            seen["killed_after"] = complete_in_memory(prefix)[-1]
             return
         time.sleep(0.05)  # polling interval, not a synchronisation
 
@@ -354,8 +355,8 @@ def test_killed_worker_resumes_exactly_then_on_one_worker(cluster, tiny_dataset,
     assert one["world_size"] == 1 and one["start_step"] == steps and len(one["loss_curve"]) == 1
     assert one["checkpoint"]["restore_source"] == "persisted", one["checkpoint"]
     assert one["checkpoint"]["restored_step"] == steps
-    # The trained model came back (a fresh BERT starts near ln(vocab)).
-    assert one["loss_curve"][0] < whole["initial_loss"] - 0.2, (whole, one)
+    # The trained model came back bit for bit at the new world size (sha256 of the full parameters).
+    assert one["restored_param_digest"] == s["param_digest"]
 
 
 @pytest.mark.slow
@@ -377,4 +378,6 @@ def test_zero3_resumes_on_fewer_workers_via_universal_checkpoint(cluster, tiny_d
     assert second["world_size"] == 1 and second["start_step"] == 4 and len(second["loss_curve"]) == 1
     assert second["checkpoint"]["restore_source"] == "persisted"
     assert second["checkpoint"]["restored_step"] == 4
-    assert second["loss_curve"][0] < first["initial_loss"] - 0.2, (first, second)
+    # every rank's ZeRO-3 partitions, merged: the parameters are exactly those the first run ended with
+    assert second["restored_param_digest"] == first["param_digest"]
+    assert first["restored_param_digest"] is None

@@ -7,8 +7,10 @@ the keepers only ever hold whole parts, and a step counts only when every rank's
 
 Whatever goes wrong on the way (the keeper refuses it because its node's checkpoint budget in the
 object store would overflow, the keeper is gone, the store is full), the snapshot is not lost: the
-same thread writes it to persist_url, with a warning that says why. Each rank decides for its own
-part and no collective is involved, so no rank can be left waiting for another.
+same thread writes it to persist_url, with a warning that says why. The budget is asked about
+before the snapshot is put, so a refused one never enters the object store (nor makes it spill).
+Each rank decides for its own part and no collective is involved, so no rank can be left waiting
+for another.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Handoff:
 
         try:
             try:
+                self.store.admit(self.rank, self.nbytes)  # a refused snapshot never enters the store
                 refs = {rel: ray.put(v if isinstance(v, tuple) else np.frombuffer(v, dtype=np.uint8))
                         for rel, v in self._parts().items()}
                 answer = self.store.put(self.step, self.rank, self.world, refs, self.nbytes, self.meta)

@@ -116,6 +116,14 @@ class CheckpointKeeper:
 
     # -- taking parts in ------------------------------------------------------------------------
 
+    def admit(self, run: str, rank: int, nbytes: int, policy: StorePolicy) -> str | None:
+        """None if a part of `nbytes` would be taken now, else why not. Asked before a rank puts its
+        snapshot into the object store, so that a refused one never enters it (no spilling);
+        put() still decides, as the budget may change in between."""
+        with self._lock:
+            return self._refusal(run, rank, nbytes, policy, False)
+
+
     def _take(self, run: str, rank: int, nbytes: int, policy: StorePolicy, replica: bool,
               copy) -> tuple[dict[str, Any], dict[str, int]]:
         """copy() under the node's checkpoint budget (StoreFullError when it would not fit)."""

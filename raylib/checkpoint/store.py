@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from raylib.checkpoint.keeper import StorePolicy, keeper_on, live_keepers
+from raylib.checkpoint.keeper import StoreFullError, StorePolicy, keeper_on, live_keepers
 from raylib.checkpoint.persist import ChecksumError, PersistedRun
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,14 @@ class CheckpointStore:
         return PersistedRun(self.policy.persist_url, self.run, self.policy.storage_options)
 
     # -- saving ---------------------------------------------------------------------------------
+
+    def admit(self, rank: int, nbytes: int) -> None:
+        """Raise StoreFullError if this node's keeper would refuse a part of `nbytes` now: call it
+        before putting the part's objects (put() still decides)."""
+        keeper = keeper_on(_node_id())
+        refusal = ray.get(keeper.admit.remote(self.run, rank, nbytes, self.policy), timeout=QUERY_TIMEOUT_S)
+        if refusal:
+            raise StoreFullError(refusal)
 
     def put(self, step: int, rank: int, world_size: int, refs: dict[str, Any], nbytes: int,
             meta: dict[str, Any]):

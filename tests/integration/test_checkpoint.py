@@ -200,6 +200,38 @@ def test_object_store_too_small_is_a_clear_error_and_nothing_wedges(cluster):
     assert CheckpointStore("full", tiny).complete_steps() == [(2, 1)]
 
 
+def test_a_refused_snapshot_never_enters_the_object_store(cluster, tmp_path, monkeypatch):
+    """The keeper's budget is asked before the rank puts anything: a refused snapshot goes straight
+    to persist_url. ray.put is wrapped (still real) only to count the objects created."""
+    import ray
+
+    from raylib.checkpoint import CheckpointStore
+    from raylib.checkpoint.handoff import Handoff
+    from raylib.checkpoint.keeper import StorePolicy
+
+    puts = []
+    real_put = ray.put
+    monkeypatch.setattr(ray, "put", lambda *a, **kw: puts.append(a) or real_put(*a, **kw))
+    files, failures = payload(2, 0), []
+    store = CheckpointStore("refused", StorePolicy(persist_url=str(tmp_path), max_store_fraction=1e-6))
+    handoff = Handoff(store, 0, 1, 2, files, sum(map(len, files.values())), {"state": {}}, failures)
+    handoff.start()
+    handoff.settle()
+
+    assert puts == [], "nothing may be put for a snapshot the keeper refuses"
+    assert len(failures) == 1 and "over checkpoint.max_store_fraction=1e-06" in failures[0], failures
+    assert store.persisted.complete_steps() == {2: 1}, "written to persist_url instead"
+    assert store.complete_steps(persisted=False) == [], "and held by no keeper"
+    # within budget, the same path puts the part's objects and the keeper takes it
+    ok = CheckpointStore("admitted", StorePolicy(persist_url=None))
+    handoff = Handoff(ok, 0, 1, 2, files, sum(map(len, files.values())), {"state": {}}, failures)
+    handoff.start()
+    handoff.settle()
+    assert len(puts) == len(files) and len(failures) == 1
+    assert ok.complete_steps(persisted=False) == [(2, 1)]
+    ok.drop()
+
+
 # -- training: DeepSpeed engines under Ray Train -------------------------------------------------------
 
 def job(dataset: str, out, name: str, **sections):

@@ -71,6 +71,7 @@ def bench_loop(config: dict) -> dict | None:
     def train_step():
         ids = torch.randint(0, VOCAB, (engine.train_micro_batch_size_per_gpu(), SEQ), generator=gen)
         engine.backward(engine(input_ids=ids, labels=ids).loss)
+        memory.fence()
         engine.step()
 
     def timed(fn, *args) -> float:

@@ -1,8 +1,9 @@
 """Object-store checkpoints inside the training loop (checkpoint.in_memory: true).
 
-Every checkpoint step, each rank copies DeepSpeed's state dicts to host memory (deepspeed_io.capture:
-a memcpy per tensor, no serialisation) and goes on training while a background thread puts the copy
-into the object store and hands it to its node's keeper (handoff.py). The keeper serialises,
+Every checkpoint step, each rank has DeepSpeed build its state dicts (deepspeed_io.capture) and goes
+on training while they are copied to host memory (a memcpy per tensor, no serialisation; the loop
+calls fence() before the next optimizer step) and a background thread puts the copy into the
+object store and hands it to its node's keeper (handoff.py). The keeper serialises,
 replicates and persists in the background. Rank 0 reports a small *pointer* checkpoint to Ray Train
 ({run, step, world_size, persist_url}), so Ray Train's bookkeeping, get_checkpoint() and Tune keep
 working. The pointer is reported before the other ranks' parts have reached their keepers, so it is
@@ -39,7 +40,7 @@ from dataclasses import replace
 from typing import Any
 
 from raylib.checkpoint import deepspeed_io
-from raylib.checkpoint.capture import Flat
+from raylib.checkpoint.capture import Flat, HostCopy
 from raylib.checkpoint.handoff import Handoff
 from raylib.checkpoint.keeper import StorePolicy
 from raylib.checkpoint.store import SOURCES, CheckpointStore, first_usable
@@ -102,6 +103,7 @@ class ObjectStoreCheckpointer:
         self._pending: list[Handoff] = []  # snapshots the keeper has not answered for yet
         self._device = None
         self._phases: dict[str, float] = {}
+        self._copy: HostCopy | None = None  # the newest snapshot's host copy, until fenced
 
     # -- collectives ----------------------------------------------------------------------------
 
@@ -220,14 +222,26 @@ class ObjectStoreCheckpointer:
         self._device = engine.device
         with self._phase("capture"):
             captured = deepspeed_io.capture(engine, step, state)
+            self._copy = HostCopy([p for p in captured.values() if isinstance(p, Flat)])
         self._bytes = sum(p.nbytes if isinstance(p, Flat) else len(p) for p in captured.values())
         handoff = Handoff(self.store, self.rank, self.world, step, captured, self._bytes, {"state": state},
-                          self._refused)
+                          self._refused, self._copy)
         handoff.start()
         self._pending.append(handoff)
         with self._phase("report"):
             self._report(metrics, step)
         self._blocked.append(time.perf_counter() - t0)
+
+    def fence(self) -> None:
+        """Call before the optimizer step (it writes to what the newest snapshot is copying). Its
+        wait counts as blocked time; on a GPU the wait is the device's (a stream dependency)."""
+        if self._copy is None:
+            return
+        t0 = time.perf_counter()
+        with self._phase("fence"):
+            self._copy.fence()
+        self._copy = None
+        self._blocked[-1] += time.perf_counter() - t0
 
     @contextlib.contextmanager
     def _phase(self, name: str):
@@ -289,7 +303,8 @@ class ObjectStoreCheckpointer:
 
     @property
     def blocked_s(self) -> list[float]:
-        """Seconds each save held training up (its host copy, and waiting for older handoffs)."""
+        """Seconds each save held training up (DeepSpeed building its state dicts, waiting for older
+        handoffs, and at the fence the part of the host copy the next forward/backward did not hide)."""
         return list(self._blocked)
 
     def metrics(self) -> dict[str, Any]:

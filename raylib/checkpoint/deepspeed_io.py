@@ -2,10 +2,11 @@
 
 A snapshot is engine.save_checkpoint (a per-step tag) run with `CaptureEngine` as DeepSpeed's
 checkpoint engine: DeepSpeed builds every state dict of its format (ZeRO shards, optimizer,
-scheduler, RNG, client state) and hands each to the capture engine, which keeps a host copy of it
-(capture.py) instead of pickling it to a file; the keepers later serialise them into exactly the
-files DeepSpeed would have written, which restores (and the universal converter) read. Which
-files a rank writes, and which it reads back at the same world size:
+scheduler, RNG, client state) and hands each to the capture engine, which records its tensors for a
+host copy made while training goes on (capture.py) instead of pickling it to a file; the keepers
+later serialise them into exactly the files DeepSpeed would have written, which restores (and the
+universal converter) read. Which files a rank writes, and which it reads back at the same world
+size:
 
 * ZeRO-0/1/2: rank 0 writes mp_rank_00_model_states.pt (the weights every rank loads) and each rank
   writes zero_pp_rank_<r>_mp_rank_00_optim_states.pt (the optimizer shard only rank r loads);
@@ -77,7 +78,7 @@ class CaptureEngine(CheckpointEngine):
         pass
 
     def save(self, state_dict, path: str) -> None:
-        self.captured[os.path.relpath(path, self.root)] = flatten(state_dict)
+        self.captured[os.path.relpath(path, self.root)] = flatten(state_dict, defer=True)
 
     def load(self, path: str, map_location=None):
         raise RuntimeError("the capture engine only saves")
@@ -86,13 +87,14 @@ class CaptureEngine(CheckpointEngine):
         return True
 
     def preserves_storage_sharing(self) -> bool:
-        return False  # else DeepSpeed clones every tensor first; flatten copies each once
+        return False  # else DeepSpeed clones every tensor first; the HostCopy copies each once
 
 
 def capture(engine, step: int, state: dict[str, Any]) -> dict[str, Any]:
     """Snapshot the engine (every rank must call: save_checkpoint has barriers): {relative path:
-    Flat} for the state dicts, {relative path: bytes} for the small plain files DeepSpeed writes
-    itself (`latest`, its recovery scripts)."""
+    Flat} for the state dicts (their live tensors, for a capture.HostCopy: nothing may write to
+    them before its fence), {relative path: bytes} for the small plain files DeepSpeed writes itself
+    (`latest`, its recovery scripts)."""
     directory = tempfile.mkdtemp(prefix="raylib-capture-")
     previous, engine.checkpoint_engine = engine.checkpoint_engine, CaptureEngine(directory)
     try:

@@ -1,7 +1,7 @@
 """A rank's snapshot on its way to the keeper, off the training path.
 
-The snapshot is already a host copy (capture.py), so training goes on at once. A background thread
-puts it into the object store (objects this rank owns) and waits until the node's keeper owns its
+Training goes on at once: a background thread waits for the snapshot's host copy (capture.py), puts
+it into the object store (objects this rank owns) and waits until the node's keeper owns its
 own copy. If the rank dies before that, this snapshot is lost and a restart uses the previous one:
 the keepers only ever hold whole parts, and a step counts only when every rank's part is held.
 
@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from raylib.checkpoint.capture import Flat, serialize, to_arrays
+from raylib.checkpoint.capture import Flat, HostCopy, serialize, to_arrays
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,8 @@ class Handoff:
     """One snapshot: start() it, settle() later (waits for the thread)."""
 
     def __init__(self, store, rank: int, world: int, step: int, captured: dict[str, Any], nbytes: int,
-                 meta: dict[str, Any], failures: list[str]):
-        self.store, self.rank, self.world, self.step = store, rank, world, step
+                 meta: dict[str, Any], failures: list[str], copy: HostCopy | None = None):
+        self.store, self.rank, self.world, self.step, self.copy = store, rank, world, step, copy
         self.captured, self.nbytes, self.meta = captured, nbytes, meta
         self.failures = failures  # shared with the checkpointer: what fell back to a direct write
         self.replicas: list[str] | None = None
@@ -50,6 +50,8 @@ class Handoff:
         import ray
 
         try:
+            if self.copy is not None:
+                self.copy.wait()
             try:
                 self.store.admit(self.rank, self.nbytes)  # a refused snapshot never enters the store
                 refs = {rel: ray.put(v if isinstance(v, tuple) else np.frombuffer(v, dtype=np.uint8))

@@ -1,6 +1,6 @@
 """The loop's checkpoint seam: object-store checkpoints, or DeepSpeed files through Ray Train.
 
-The loop only calls `Checkpointer.restore / save / close / metrics`. With checkpoint.in_memory
+The loop only calls `Checkpointer.restore / save / fence / close / metrics`. With checkpoint.in_memory
 (the default) the work is done by raylib.checkpoint (snapshots held by per-node keeper actors,
 replicated and persisted in the background; Ray Train keeps a small pointer). Without it, every
 rank saves its ZeRO shards into a local directory and Ray Train merges the ranks' directories into
@@ -21,7 +21,8 @@ TAG = "deepspeed"  # each Ray checkpoint directory of the blocking path holds on
 
 class Checkpointer:
     """What the worker loop calls: `restore` once before training, `save` on every rank at each
-    checkpoint step, `close` at the end (waits for background work), `metrics` for summary.json."""
+    checkpoint step, `fence` before each engine.step(), `close` at the end (waits for background
+    work), `metrics` for summary.json."""
 
     def __init__(self, spec, run_dir: str):
         from raylib.checkpoint.checkpointer import ObjectStoreCheckpointer
@@ -48,6 +49,11 @@ class Checkpointer:
             self.memory.save(engine, step, metrics, state)
         else:
             save(engine, step, metrics, state)
+
+    def fence(self) -> None:
+        """Before every optimizer step: a snapshot's host copy may still be reading the weights."""
+        if self.in_memory:
+            self.memory.fence()
 
     def close(self) -> None:
         self.memory.close()

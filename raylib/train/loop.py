@@ -78,6 +78,7 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
             data_wait += time.perf_counter() - tw
             loss = engine(**batch).loss
             engine.backward(loss)
+            checkpointer.fence()
             engine.step()
             total += loss.item()
         step_times.append(time.perf_counter() - t0)

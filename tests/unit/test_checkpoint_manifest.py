@@ -135,3 +135,31 @@ def test_capture_round_trip_keeps_values_ties_dtypes_and_metadata():
     # The keeper's serialisation is a plain torch.save: torch.load reads it back.
     loaded = torch.load(io.BytesIO(serialize(flat.skeleton, arrays).tobytes()), weights_only=False)
     assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"][0], 2 * torch.arange(12.0).reshape(3, 4))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs a CUDA device"))])
+def test_deferred_capture_copies_off_the_training_path_and_the_fence_orders_the_step(device):
+    """flatten(defer=True) only records the live tensors; HostCopy copies them while training goes
+    on; after fence() the optimizer step may write to them and the snapshot keeps the old values."""
+    import torch
+
+    from raylib.checkpoint.capture import HostCopy, flatten, rebuild, to_arrays
+
+    weight = torch.arange(1 << 20, dtype=torch.float32, device=device)
+    moment = torch.ones(3, 5, dtype=torch.bfloat16, device=device)
+    state = {"module": {"w": weight, "tied": weight}, "optimizer": {"exp_avg": moment}, "step": 4}
+    flat = flatten(state, defer=True)
+    assert flat.tensors == [] and len(flat.sources) == 2 and flat.nbytes == (1 << 22) + 30
+    copy = HostCopy([flat])
+    copy.fence()
+    weight.add_(1.0)  # the optimizer step, after the fence
+    moment.mul_(0)
+    copy.wait()
+    assert flat.sources == [] and flat.nbytes == (1 << 22) + 30, "the live tensors are let go"
+    assert all(t.device.type == "cpu" for t in flat.tensors)
+    back = rebuild(flat.skeleton, to_arrays(flat.tensors))
+    assert torch.equal(back["module"]["w"], torch.arange(1 << 20, dtype=torch.float32))
+    assert back["module"]["w"] is back["module"]["tied"]
+    assert torch.equal(back["optimizer"]["exp_avg"], torch.ones(3, 5, dtype=torch.bfloat16))
+    assert back["step"] == 4

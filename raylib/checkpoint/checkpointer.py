@@ -35,6 +35,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -42,7 +43,7 @@ from typing import Any
 from raylib.checkpoint import deepspeed_io
 from raylib.checkpoint.capture import Flat, HostCopy
 from raylib.checkpoint.handoff import Handoff
-from raylib.checkpoint.keeper import StorePolicy
+from raylib.checkpoint.keeper import StorePolicy, live_keepers
 from raylib.checkpoint.store import SOURCES, CheckpointStore, first_usable
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,20 @@ def fit_id() -> str:
         return ray.get_runtime_context().get_job_id()
 
 
+def _connect_to_keepers(rank: int) -> None:
+    """Resolve the keepers and open a connection (what restore's first query would wait for): rank
+    0 to every keeper (it lists what they hold), the others to their own node's (they fetch there)."""
+    import ray
+
+    try:
+        keepers = live_keepers()
+        if rank != 0:
+            keepers = {n: k for n, k in keepers.items() if n == ray.get_runtime_context().get_node_id()}
+        ray.get([k.inventory.remote("") for k in keepers.values()], timeout=30)
+    except Exception:  # only a warm-up: restore handles dead or missing keepers itself
+        pass
+
+
 def policy_of(spec, run_dir: str) -> StorePolicy:
     c = spec.checkpoint
     return StorePolicy(
@@ -104,6 +119,9 @@ class ObjectStoreCheckpointer:
         self._device = None
         self._phases: dict[str, float] = {}
         self._copy: HostCopy | None = None  # the newest snapshot's host copy, until fenced
+        if spec.checkpoint.in_memory:  # while the engine is built: a first actor call costs ~0.1 s
+            threading.Thread(target=_connect_to_keepers, args=(self.rank,), name="ckpt-connect",
+                             daemon=True).start()
 
     # -- collectives ----------------------------------------------------------------------------
 
@@ -134,14 +152,19 @@ class ObjectStoreCheckpointer:
             readers.append(CheckpointStore(pointer["run"],
                                            replace(self.policy, persist_url=pointer["persist_url"])))
         found, tried, listed = None, [], set()
-        for reader, persisted in ((r, p) for r in readers for p in (None, True)):
-            # persist_url is listed only if the keepers cannot offer the newest step, or if every
-            # step they offered was unusable (and once per run: listing S3 takes time)
+        # First what the keepers hold, of this fit then of the pointer's: persist_url is listed
+        # only if they cannot offer a run's newest step, or if every step they offered was unusable
+        # (and once per run: listing S3 takes time, ~0.2 s in a fresh process on loopback). This
+        # fit's persisted steps cannot lose to the pointer's memory copies: once this fit has
+        # restored, those are dropped (drop_others), long before it saves anything.
+        for reader, persisted, if_none_held in [(r, None, False) for r in readers] + \
+                [(r, True, True) for r in readers]:
             if reader.run in listed:
                 continue
             with self._phase("restore_plan"):
                 candidates, with_persisted = self._from_rank0(
-                    (reader.complete_steps(persisted), reader.listed_persisted) if self.rank == 0 else None)
+                    (reader.complete_steps(persisted, if_none_held=if_none_held), reader.listed_persisted)
+                    if self.rank == 0 else None)
             if with_persisted:
                 listed.add(reader.run)
             candidates = [c for c in candidates if (reader.run, c) not in tried]

@@ -156,17 +156,20 @@ class CheckpointStore:
                     {**p, "node": node, "keeper": keepers[node]})
         return found
 
-    def complete_steps(self, persisted: bool | None = True) -> list[tuple[int, int]]:
+    def complete_steps(self, persisted: bool | None = True, *, if_none_held: bool = True
+                       ) -> list[tuple[int, int]]:
         """[(step, world size)], newest first, of the steps whose every part has a copy.
         persisted=None lists persist_url (S3: slower than a whole restore from memory) only when
-        the keepers cannot offer the newest step: none complete, or a newer step partly held."""
+        the keepers cannot offer the newest step: none complete, or a newer step partly held;
+        with if_none_held=False, not when the keepers hold no part of this run at all."""
         memory = self.holders()
         worlds = {step: copies[0]["world_size"] for (step, _), copies in memory.items()}
         in_memory = [s for s, w in sorted(worlds.items(), reverse=True)
                      if all((s, r) in memory for r in range(w))]
         if persisted is None:
-            persisted = not in_memory or in_memory[0] != max(worlds)
-        self.listed_persisted = bool(self.persisted and persisted)
+            persisted = (not in_memory or in_memory[0] != max(worlds)) and (bool(worlds) or if_none_held)
+        # (not self.persisted: opening an S3 filesystem costs ~0.1 s in a fresh process)
+        self.listed_persisted = bool(persisted and self.policy.persist_url)
         on_disk = self.persisted.steps() if self.listed_persisted else {}
         for step, (world, _) in on_disk.items():
             worlds.setdefault(step, world)

@@ -38,6 +38,7 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
     rank = ctx.get_world_rank()
     torch.set_num_threads(max(1, int(spec.scaling.cpus_per_worker)))
 
+    checkpointer = checkpointing.Checkpointer(spec, config["run_dir"])  # first: it connects meanwhile
     model = build_model(
         bert_config(spec.model, config["vocab_size"], config["seq_len"], config["pad_id"]),
         seed=spec.run.seed,
@@ -45,7 +46,6 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config
     )
-    checkpointer = checkpointing.Checkpointer(spec, config["run_dir"])
     start, state = checkpointer.restore(engine)
     # what came back, compared exactly with the saving run's final digest (a collective: every rank)
     restored_digest = _parameter_digest(engine, spec.strategy.zero_stage) if start else None

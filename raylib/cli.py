@@ -140,7 +140,7 @@ def _plan(args) -> int:
         from raylib import runtime
 
         runtime.connect(args.address)
-        topology = Topology.from_ray_nodes(ray.nodes())
+        topology = Topology.from_ray_nodes(ray.nodes(), cpus_per_rank=spec.scaling.cpus_per_worker)
     p = plan(topology, spec.placement.parallelism(spec.world_size),
              cpus_per_rank=spec.scaling.cpus_per_worker)
     print(json.dumps(p.to_dict(), indent=2) if args.json else p.explain())

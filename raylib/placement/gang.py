@@ -38,6 +38,8 @@ class GangSchedulerActor:
         from raylib.placement.topology import Topology
 
         self.resource = resource
+        # a node hosts at most one rank per CPU (a rank's bundle is {CPU: 1, GPU: 1} by default;
+        # jobs asking for more CPUs per rank can still wait on Ray: the reservation timeout says so)
         self.topology = Topology.from_ray_nodes(ray.nodes(), resource=resource)
         self.queue = GangQueue(self.topology, Policy(**(policy or {})), on_preempt=self._on_preempt)
         self.groups: dict[str, Any] = {}  # job id -> placement group of its reservation

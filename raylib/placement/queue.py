@@ -152,6 +152,11 @@ class GangQueue:
             raise ValueError(f"job id {job.id!r} already submitted")
         problem = self._unfit(job, self._all_up())
         if problem:
+            short = [n for n in self.topology.nodes if n.usable is not None and n.usable < n.gpus]
+            if short:
+                problem += (f"; {sum(n.gpus - n.usable for n in short)} accelerators on {len(short)} "
+                            f"node(s) (e.g. {short[0].id}) cannot host a rank: too few CPUs for one per "
+                            "accelerator (give those nodes more CPUs)")
             raise PlacementError(f"job {job.id!r}: {problem}")
         job._seq = next(self._seq)
         self.jobs[job.id] = job
@@ -184,12 +189,12 @@ class GangQueue:
         return out
 
     def node_up(self, node_id: str) -> None:
-        """A node (back) with all its accelerators free."""
+        """A node (back) with all its (usable) accelerators free."""
         pos = self.topology.node_position(node_id)
         self.down.discard(node_id)
         base = self.topology.index.island_base[pos]
-        islands = self.topology.nodes[pos].islands
-        self.free[base: base + len(islands)] = islands
+        capacity = self.topology.nodes[pos].capacity
+        self.free[base: base + len(capacity)] = capacity
         self._version += 1
 
     # -- the scheduling step --------------------------------------------------------------------
@@ -279,7 +284,7 @@ class GangQueue:
         del self._queue[i]
 
     def _all_up(self) -> np.ndarray:
-        full = np.array([s for n in self.topology.nodes for s in n.islands], dtype=np.int64)
+        full = np.array([s for n in self.topology.nodes for s in n.capacity], dtype=np.int64)
         for node_id in self.down:
             pos = self.topology.node_position(node_id)
             base = self.topology.index.island_base[pos]

@@ -76,8 +76,11 @@ class Node(_Model):
     """Accelerators on the node."""
     islands: list[int] | None = None
     """NVLink island sizes, summing to gpus (default: one island of all of them)."""
+    usable: int | None = Field(default=None, ge=0)
+    """Accelerators that ranks can use (filled island by island): fewer than gpus on a node that
+    lacks the CPUs for a rank on each (from_ray_nodes sets it). Default: all."""
     free: int | list[int] | None = None
-    """Free accelerators, per island or in total (filled island by island). Default: all."""
+    """Free accelerators, per island or in total (filled island by island). Default: all usable."""
     path: dict[str, str] = Field(default_factory=dict)
     """Group id of the node at each outer level (levels[2:]), e.g. {leaf: l0, spine: s0}."""
     selector: dict[str, str] | None = None
@@ -92,7 +95,9 @@ class Node(_Model):
                 f"node {self.id!r}: islands {self.islands} must be positive sizes summing to "
                 f"gpus={self.gpus}"
             )
-        self.free = _split_free(self.id, self.free, self.islands)
+        if self.usable is not None and self.usable > self.gpus:
+            raise ValueError(f"node {self.id!r}: usable={self.usable} exceeds gpus={self.gpus}")
+        self.free = _cap(_split_free(self.id, self.free, self.islands), self.capacity)
         if self.selector is None:
             self.selector = {LABEL_NODE: self.id}
         return self
@@ -100,6 +105,15 @@ class Node(_Model):
     @property
     def free_gpus(self) -> int:
         return sum(self.free)
+
+    @property
+    def capacity(self) -> list[int]:
+        """Usable accelerators per island (what is free when the node runs nothing)."""
+        return _split_free(self.id, self.usable, self.islands)
+
+
+def _cap(free: list[int], capacity: list[int]) -> list[int]:
+    return [min(f, c) for f, c in zip(free, capacity, strict=True)]
 
 
 def _split_free(node_id: str, free: int | Sequence[int] | None, islands: list[int]) -> list[int]:
@@ -198,8 +212,11 @@ class Topology(_Model):
         levels: Sequence[Level] | None = None,
         resource: str = "GPU",
         name: str = "ray",
+        cpus_per_rank: float = 1.0,
     ) -> Topology:
-        """From `ray.nodes()`: live nodes with `resource`; groups from their "Labels".
+        """From `ray.nodes()`: live nodes with `resource`; groups from their "Labels". A node with
+        fewer CPUs than `cpus_per_rank` per accelerator can host only as many ranks as its CPUs
+        allow (`usable`): a rank's bundle asks for both, and Ray could never place the rest.
 
         The outer level names are the label keys read (default leaf, spine); `leaf` falls back
         to `rack`. Nodes without a label share the group "default" of that level. A node's id is
@@ -225,7 +242,12 @@ class Topology(_Model):
                     f"that divides its {count} {resource}s"
                 )
             islands = [int(size)] * (count // int(size)) if size else None
+            usable = None  # all
+            if resource != "CPU":
+                cpus = float((n.get("Resources") or {}).get("CPU", 0))
+                usable = min(count, int(cpus // cpus_per_rank)) if cpus < count * cpus_per_rank else None
             out.append({"id": labels.get(LABEL_NODE, node_id), "gpus": count, "islands": islands,
+                        "usable": usable,
                         "path": path, "selector": {LABEL_NODE_ID: node_id}})
         return cls.from_dict({"name": name, "levels": [lv.model_dump() for lv in levels],
                               "nodes": out, "resource": resource}, source="ray.nodes()")
@@ -295,8 +317,8 @@ class Topology(_Model):
         unknown = sorted(set(free) - set(self.index.node_pos))
         if unknown:
             raise TopologyError(f"free: unknown node id(s) {unknown[:5]}")
-        nodes = [n.model_copy(update={"free": _split_free(n.id, free.get(n.id, 0), n.islands)})
-                 for n in self.nodes]
+        nodes = [n.model_copy(update={"free": _cap(_split_free(n.id, free.get(n.id, 0), n.islands),
+                                                   n.capacity)}) for n in self.nodes]
         return self.model_copy(update={"nodes": nodes})  # the cached index (same shape) is kept
 
     def island_of(self, node_id: str, accelerator: int) -> int:

@@ -276,3 +276,24 @@ def test_finish_of_a_job_that_is_not_running():
     q.submit(job("a", 8))
     with pytest.raises(KeyError, match="job 'a' is not running"):
         q.finish("a")
+
+
+def test_a_node_short_of_cpus_is_planned_only_up_to_its_usable_accelerators():
+    base = cluster(2, 4)
+    nodes = [n.model_copy(update={"usable": 2, "free": [2]}) if i == 0 else n
+             for i, n in enumerate(base.nodes)]
+    q = GangQueue(base.model_copy(update={"nodes": nodes}))
+    with pytest.raises(PlacementError) as e:  # 2 + 4 usable: it never fits
+        q.submit(job("too-big", 8, tp=1))
+    assert "6 accelerators free" in str(e.value) and "2 accelerators on 1 node(s)" in str(e.value)
+    assert "too few CPUs" in str(e.value)
+    q.submit(job("a", 4, tp=2))
+    q.submit(job("b", 2, tp=2))
+    out = q.tick(0)
+    assert sorted(started(out)) == ["a", "b"]
+    first = base.nodes[0].id
+    usage = {d.job.id: d.plan.usage() for d in out if isinstance(d, Start)}
+    assert sum(sum(u.get(first, [])) for u in usage.values()) <= 2, usage
+    q.node_down(first, now=1)
+    q.node_up(first)
+    assert int(q.free[:1].sum()) <= 2, "a node back up offers its usable accelerators only"

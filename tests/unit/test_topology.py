@@ -250,3 +250,17 @@ def test_nvml_islands_is_none_without_nvml_or_gpus(monkeypatch):
     assert nvml_islands() is None
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
     assert nvml_islands() is None
+
+
+def test_from_ray_nodes_caps_a_node_at_the_ranks_its_cpus_can_host():
+    """A gang bundle is {CPU: cpus_per_rank, GPU: 1}: on a node with 4 GPUs and 2 CPUs Ray can
+    place only 2 of them, so only 2 are usable (filled island by island)."""
+    short = {**ray_node("short", 4, {"nvlink-island-size": "2"}), "Resources": {"CPU": 2.0, "GPU": 4.0}}
+    topo = Topology.from_ray_nodes([short, ray_node("roomy", 4)])
+    assert topo.node("short").usable == 2 and topo.node("short").capacity == [2, 0]
+    assert topo.node("short").free == [2, 0] and topo.node("roomy").usable is None
+    assert topo.free_gpus == 6 and topo.total_gpus == 8
+    assert Topology.from_ray_nodes([short], cpus_per_rank=2.0).node("short").usable == 1
+    assert topo.with_free({"short": 4, "roomy": 4}).node("short").free == [2, 0], "free <= usable"
+    with pytest.raises(TopologyError, match="usable=5 exceeds gpus=4"):
+        Topology.from_dict({"name": "t", "nodes": [{"id": "n", "gpus": 4, "usable": 5}]})

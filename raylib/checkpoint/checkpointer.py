@@ -154,7 +154,7 @@ class ObjectStoreCheckpointer:
         found, tried, listed = None, [], set()
         # First what the keepers hold, of this fit then of the pointer's: persist_url is listed
         # only if they cannot offer a run's newest step, or if every step they offered was unusable
-        # (and once per run: listing S3 takes time, ~0.2 s in a fresh process on loopback). This
+        # (and once per run: opening and listing S3 takes time, even on loopback). This
         # fit's persisted steps cannot lose to the pointer's memory copies: once this fit has
         # restored, those are dropped (drop_others), long before it saves anything.
         for reader, persisted, if_none_held in [(r, None, False) for r in readers] + \

@@ -219,13 +219,16 @@ class CheckpointSpec(_Section):
     """Snapshots kept in the object store per run (oldest dropped first)."""
     keep_persisted: int = Field(2, ge=1)
     """Persisted snapshots kept at persist_url."""
+    persist_every: int = Field(1, ge=1)
+    """Persist every k-th scheduled snapshot (the others live in the keepers' memory only; the last
+    of a run and a preemption's are always persisted): frequent cheap snapshots, rarer uploads."""
     max_store_fraction: float = Field(0.5, gt=0, le=1)
     """Refuse a snapshot that would need more than this fraction of a node's object store."""
 
     @model_validator(mode="after")
     def _memory_fields_need_in_memory(self) -> CheckpointSpec:
         memory_only = {"replicas", "persist_url", "storage_options", "keep_in_memory",
-                       "keep_persisted", "max_store_fraction"}
+                       "keep_persisted", "persist_every", "max_store_fraction"}
         ignored = sorted(memory_only & self.model_fields_set)
         if not self.in_memory and ignored:
             raise ValueError(f"{', '.join(ignored)} apply to object-store checkpoints only; set "

@@ -95,7 +95,8 @@ def policy_of(spec, run_dir: str) -> StorePolicy:
     return StorePolicy(
         persist_url=c.persist_url or os.path.join(run_dir, "checkpoints"),
         storage_options=dict(c.storage_options), keep_in_memory=c.keep_in_memory,
-        keep_persisted=c.keep_persisted, replicas=c.replicas, max_store_fraction=c.max_store_fraction,
+        keep_persisted=c.keep_persisted, persist_every=c.persist_every, replicas=c.replicas,
+        max_store_fraction=c.max_store_fraction,
     )
 
 
@@ -119,6 +120,7 @@ class ObjectStoreCheckpointer:
         self._device = None
         self._phases: dict[str, float] = {}
         self._copy: HostCopy | None = None  # the newest snapshot's host copy, until fenced
+        self._unpersisted: int | None = None  # the newest snapshot's step if put without persistence
         if spec.checkpoint.in_memory:  # while the engine is built: a first actor call costs ~0.1 s
             threading.Thread(target=_connect_to_keepers, args=(self.rank,), name="ckpt-connect",
                              daemon=True).start()
@@ -247,13 +249,21 @@ class ObjectStoreCheckpointer:
             captured = deepspeed_io.capture(engine, step, state)
             self._copy = HostCopy([p for p in captured.values() if isinstance(p, Flat)])
         self._bytes = sum(p.nbytes if isinstance(p, Flat) else len(p) for p in captured.values())
+        persist = self._persist_due(step)
+        self._unpersisted = None if persist else step
         handoff = Handoff(self.store, self.rank, self.world, step, captured, self._bytes, {"state": state},
-                          self._refused, self._copy)
+                          self._refused, self._copy, persist)
         handoff.start()
         self._pending.append(handoff)
         with self._phase("report"):
             self._report(metrics, step)
         self._blocked.append(time.perf_counter() - t0)
+
+    def _persist_due(self, step: int) -> bool:
+        """Every persist_every-th scheduled snapshot, and any off schedule (a preemption's); the last
+        of a run is persisted by close()."""
+        every, k = self.spec.checkpoint.interval_steps, self.policy.persist_every
+        return k == 1 or not every or step % every != 0 or (step // every) % k == 0
 
     def fence(self) -> None:
         """Call before the optimizer step (it writes to what the newest snapshot is copying). Its
@@ -312,6 +322,8 @@ class ObjectStoreCheckpointer:
         if self.store is None or not self._blocked:
             return
         self.settle()
+        if self._unpersisted is not None:  # a finished run's last snapshot must outlive the keepers
+            self.store.persist_held(self._unpersisted, self.rank)
         self._bytes = int(self._reduce(self._device, [self._bytes], "SUM")[0])  # all ranks' parts
         self._flushed = self.store.flush()
         self._flushed["persisted"] = sorted(self.store.persisted.complete_steps())

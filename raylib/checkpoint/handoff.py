@@ -31,8 +31,10 @@ class Handoff:
     """One snapshot: start() it, settle() later (waits for the thread)."""
 
     def __init__(self, store, rank: int, world: int, step: int, captured: dict[str, Any], nbytes: int,
-                 meta: dict[str, Any], failures: list[str], copy: HostCopy | None = None):
+                 meta: dict[str, Any], failures: list[str], copy: HostCopy | None = None,
+                 persist: bool = True):
         self.store, self.rank, self.world, self.step, self.copy = store, rank, world, step, copy
+        self.persist = persist
         self.captured, self.nbytes, self.meta = captured, nbytes, meta
         self.failures = failures  # shared with the checkpointer: what fell back to a direct write
         self.replicas: list[str] | None = None
@@ -56,7 +58,8 @@ class Handoff:
                 self.store.admit(self.rank, self.nbytes)  # a refused snapshot never enters the store
                 refs = {rel: ray.put(v if isinstance(v, tuple) else np.frombuffer(v, dtype=np.uint8))
                         for rel, v in self._parts().items()}
-                answer = self.store.put(self.step, self.rank, self.world, refs, self.nbytes, self.meta)
+                answer = self.store.put(self.step, self.rank, self.world, refs, self.nbytes, self.meta,
+                                        self.persist)
                 self.replicas = ray.get(answer, timeout=PUT_TIMEOUT_S)["replicas"]
             except Exception as e:  # refused, keeper gone, store full: write it out instead
                 self._fall_back(e)

@@ -46,6 +46,7 @@ class StorePolicy:
     storage_options: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     keep_in_memory: int = 2
     keep_persisted: int = 2
+    persist_every: int = 1
     replicas: int = 1
     max_store_fraction: float = 0.5
 
@@ -148,10 +149,11 @@ class CheckpointKeeper:
                 del self._parts[key]
 
     def put(self, run: str, step: int, rank: int, world_size: int, refs: dict[str, Any], nbytes: int,
-            meta: dict[str, Any], policy: StorePolicy) -> dict[str, Any]:
+            meta: dict[str, Any], policy: StorePolicy, persist: bool = True) -> dict[str, Any]:
         """Own a copy of a rank's part: `refs` (owned by the rank) hold each file's bytes or a captured
-        state dict (skeleton, arrays) to serialise. Replication and persistence follow in the
-        background. Returns where the replicas go (none: why not)."""
+        state dict (skeleton, arrays) to serialise. Replication and persistence (unless `persist`
+        is False: persist() may ask for it later) follow in the background. Returns where the
+        replicas go (none: why not)."""
         from raylib.checkpoint.capture import serialize
 
         def copy():
@@ -171,12 +173,27 @@ class CheckpointKeeper:
             future = keeper_on(node).hold.remote(run, step, rank, world_size, own, sizes, meta, policy)
             with self._lock:
                 self._replicating.append((run, node, future))
-        if policy.persist_url:
-            with self._lock:
-                job, self._next_job = self._next_job, self._next_job + 1
-                self._inflight[job] = (run, (run, step, rank, False), sum(sizes.values()))
-            self._jobs.put((job, run, step, rank, world_size, own, meta, policy))
+        if policy.persist_url and persist:
+            self._queue_persist(run, step, rank, world_size, own, meta, policy, sum(sizes.values()))
         return {"bytes": sum(sizes.values()), "replicas": targets}
+
+    def persist(self, run: str, step: int, rank: int, policy: StorePolicy) -> bool:
+        """Persist a part held here that put() was told not to; False if this keeper lacks it."""
+        with self._lock:
+            part = self._parts.get((run, step, rank, False))
+            queued = any(key == (run, step, rank, False) for _, key, _ in self._inflight.values())
+        if part is None:
+            return False
+        if policy.persist_url and not part.persisted and not queued:
+            self._queue_persist(run, step, rank, part.world_size, part.refs, part.meta, policy, part.nbytes)
+        return True
+
+    def _queue_persist(self, run: str, step: int, rank: int, world_size: int, refs: dict[str, Any],
+                       meta: dict[str, Any], policy: StorePolicy, nbytes: int) -> None:
+        with self._lock:
+            job, self._next_job = self._next_job, self._next_job + 1
+            self._inflight[job] = (run, (run, step, rank, False), nbytes)
+        self._jobs.put((job, run, step, rank, world_size, refs, meta, policy))
 
     def hold(self, run: str, step: int, rank: int, world_size: int, refs: dict[str, Any],
              sizes: dict[str, int], meta: dict[str, Any], policy: StorePolicy) -> None:

@@ -89,14 +89,21 @@ class CheckpointStore:
             raise StoreFullError(refusal)
 
     def put(self, step: int, rank: int, world_size: int, refs: dict[str, Any], nbytes: int,
-            meta: dict[str, Any]):
+            meta: dict[str, Any], persist: bool = True):
         """Hand part (step, rank) to this node's keeper: `refs` (objects the caller put) hold each
         file's bytes, or a captured state dict as (skeleton, arrays) for the keeper to serialise;
         `nbytes` is their size. Returns the keeper's answer as an ObjectRef: ray.get(...) returns
         once the keeper owns its copy (keep `refs` alive until then) and raises StoreFullError when
-        the node's checkpoint budget would overflow. Replication and persistence go on after."""
+        the node's checkpoint budget would overflow. Replication and persistence (unless `persist`
+        is False) go on after."""
         keeper = keeper_on(_node_id())
-        return keeper.put.remote(self.run, step, rank, world_size, refs, nbytes, meta, self.policy)
+        return keeper.put.remote(self.run, step, rank, world_size, refs, nbytes, meta, self.policy, persist)
+
+    def persist_held(self, step: int, rank: int) -> bool:
+        """Have this node's keeper persist part (step, rank), put without persistence; False if it
+        does not hold it (e.g. refused, so written to persist_url by the rank already)."""
+        keeper = keeper_on(_node_id())
+        return ray.get(keeper.persist.remote(self.run, step, rank, self.policy), timeout=QUERY_TIMEOUT_S)
 
     def persist_now(self, step: int, rank: int, world_size: int, files: dict[str, Any],
                     meta: dict[str, Any]) -> None:

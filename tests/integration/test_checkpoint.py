@@ -332,6 +332,24 @@ def test_a_pointer_to_an_incomplete_checkpoint_is_never_loaded(cluster, tiny_dat
     assert found is None and "no complete copy of any checkpoint" in error, error
 
 
+def test_persist_every_uploads_every_kth_snapshot_and_always_the_last(cluster, tiny_dataset, tmp_path):
+    """interval 2, persist_every 2, 6 steps: snapshots at 2, 4, 6 held in memory; 4 is persisted on
+    schedule, 6 (off it) because it is the run's last, 2 never (keep_persisted would allow it)."""
+    from raylib.checkpoint import CheckpointStore
+    from raylib.checkpoint.checkpointer import policy_of
+    from raylib.train.trainer import run
+
+    hot = {"tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "1MB"}]}  # starts fast
+    spec = job(tiny_dataset, tmp_path, "every", data=hot, run={"steps": 6},
+               checkpoint={"persist_every": 2, "keep_persisted": 3})
+    s = run(spec, progress=False).summary
+    ckpt = s["checkpoint"]
+    assert ckpt["snapshots"] == 3 and ckpt["refused"] == 0 and not ckpt["persist_errors"], ckpt
+    assert ckpt["persisted_steps"] == [4, 6], ckpt
+    persisted = CheckpointStore(ckpt["run"], policy_of(spec, str(spec.run_dir()))).persisted
+    assert sorted(persisted.complete_steps()) == [4, 6]
+
+
 @pytest.mark.chaos
 @pytest.mark.slow
 def test_killed_worker_resumes_exactly_then_on_one_worker(cluster, tiny_dataset, tmp_path):

@@ -435,12 +435,15 @@ def test_checkpoint_section_rejects_impossible_values():
     for section, fragment in [({"replicas": -1}, "checkpoint.replicas"),
                               ({"max_store_fraction": 1.5}, "checkpoint.max_store_fraction"),
                               ({"keep_in_memory": 0}, "checkpoint.keep_in_memory"),
+                              ({"persist_every": 0}, "checkpoint.persist_every"),
                               ({"persist": "s3://x"}, "checkpoint.persist: unknown key")]:
         with pytest.raises(SpecError, match=fragment):
             JobSpec.from_dict({"checkpoint": section})
 
 
 def test_object_store_fields_without_in_memory_are_an_error():
+    with pytest.raises(SpecError, match="persist_every apply to object-store checkpoints only"):
+        JobSpec.from_dict({"checkpoint": {"in_memory": False, "persist_every": 4}})
     with pytest.raises(SpecError, match="persist_url, replicas apply to object-store checkpoints only"):
         JobSpec.from_dict({"checkpoint": {"in_memory": False, "replicas": 2, "persist_url": "s3://b/c"}})
     assert not JobSpec.from_dict({"checkpoint": {"in_memory": False, "keep": 3}}).checkpoint.in_memory

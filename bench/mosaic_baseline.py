@@ -15,7 +15,7 @@ that `import streaming` and the S3/MDS path need:
     bench/.venv-mosaic/bin/pip install torch==2.13.0      # the local CPU build, not a CUDA one
     bench/.venv-mosaic/bin/pip install --no-deps mosaicml-streaming==0.13.0
     bench/.venv-mosaic/bin/pip install -c <(echo torch==2.13.0) "numpy<2.2" "boto3<2" "xxhash<4" \
-        "zstd<2" "python-snappy<1" Brotli "tqdm<5" "catalogue<3" "transformers<5"
+        "zstd<2" "python-snappy<1" Brotli "tqdm<5" "catalogue<3" "transformers<5" pillow
 
 `import streaming` imports streaming.vision, which imports torchvision at module level (for its
 CIFAR/ImageNet dataset classes, unused here): when torchvision cannot be imported, a stub with

@@ -95,8 +95,7 @@ def policy_of(spec, run_dir: str) -> StorePolicy:
     return StorePolicy(
         persist_url=c.persist_url or os.path.join(run_dir, "checkpoints"),
         storage_options=dict(c.storage_options), keep_in_memory=c.keep_in_memory,
-        keep_persisted=c.keep_persisted, persist_every=c.persist_every, replicas=c.replicas,
-        max_store_fraction=c.max_store_fraction,
+        keep_persisted=c.keep_persisted, replicas=c.replicas, max_store_fraction=c.max_store_fraction,
     )
 
 
@@ -262,7 +261,7 @@ class ObjectStoreCheckpointer:
     def _persist_due(self, step: int) -> bool:
         """Every persist_every-th scheduled snapshot, and any off schedule (a preemption's); the last
         of a run is persisted by close()."""
-        every, k = self.spec.checkpoint.interval_steps, self.policy.persist_every
+        every, k = self.spec.checkpoint.interval_steps, self.spec.checkpoint.persist_every
         return k == 1 or not every or step % every != 0 or (step // every) % k == 0
 
     def fence(self) -> None:

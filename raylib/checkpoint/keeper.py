@@ -46,7 +46,6 @@ class StorePolicy:
     storage_options: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     keep_in_memory: int = 2
     keep_persisted: int = 2
-    persist_every: int = 1
     replicas: int = 1
     max_store_fraction: float = 0.5
 
@@ -123,7 +122,6 @@ class CheckpointKeeper:
         put() still decides, as the budget may change in between."""
         with self._lock:
             return self._refusal(run, rank, nbytes, policy, False)
-
 
     def _take(self, run: str, rank: int, nbytes: int, policy: StorePolicy, replica: bool,
               copy) -> tuple[dict[str, Any], dict[str, int]]:

@@ -146,20 +146,21 @@ def test_deferred_capture_copies_off_the_training_path_and_the_fence_orders_the_
 
     from raylib.checkpoint.capture import HostCopy, flatten, rebuild, to_arrays
 
-    weight = torch.arange(1 << 20, dtype=torch.float32, device=device)
+    # 64 MB: copying takes long enough that a step not ordered after the copy would corrupt it
+    weight = torch.arange(1 << 24, dtype=torch.float32, device=device)
     moment = torch.ones(3, 5, dtype=torch.bfloat16, device=device)
     state = {"module": {"w": weight, "tied": weight}, "optimizer": {"exp_avg": moment}, "step": 4}
     flat = flatten(state, defer=True)
-    assert flat.tensors == [] and len(flat.sources) == 2 and flat.nbytes == (1 << 22) + 30
+    assert flat.tensors == [] and len(flat.sources) == 2 and flat.nbytes == (1 << 26) + 30
     copy = HostCopy([flat])
     copy.fence()
     weight.add_(1.0)  # the optimizer step, after the fence
     moment.mul_(0)
     copy.wait()
-    assert flat.sources == [] and flat.nbytes == (1 << 22) + 30, "the live tensors are let go"
+    assert flat.sources == [] and flat.nbytes == (1 << 26) + 30, "the live tensors are let go"
     assert all(t.device.type == "cpu" for t in flat.tensors)
     back = rebuild(flat.skeleton, to_arrays(flat.tensors))
-    assert torch.equal(back["module"]["w"], torch.arange(1 << 20, dtype=torch.float32))
+    assert torch.equal(back["module"]["w"], torch.arange(1 << 24, dtype=torch.float32))
     assert back["module"]["w"] is back["module"]["tied"]
     assert torch.equal(back["optimizer"]["exp_avg"], torch.ones(3, 5, dtype=torch.bfloat16))
     assert back["step"] == 4

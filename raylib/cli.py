@@ -82,13 +82,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    from raylib.spec import JobSpec
+    from raylib.spec import JobSpec, SpecError
     from raylib.train.strategy import resolve_ds_config
 
     # Importing DeepSpeed prints to stdout; keep stdout for the report alone.
     with contextlib.redirect_stdout(sys.stderr):
         spec = JobSpec.from_yaml(args.config, overrides=args.overrides)
-        ds_config = resolve_ds_config(spec)
+        try:
+            ds_config = resolve_ds_config(spec)  # the checks DeepSpeed itself would make
+        except ValueError as e:
+            raise SpecError(f"{args.config}: {e}") from None
     if args.dry_run:
         print("# resolved job spec")
         print(spec.to_yaml())
@@ -126,7 +129,7 @@ def _embedded_s3(args, spec):
 
 
 def _plan(args) -> int:
-    from raylib.placement.planner import plan
+    from raylib.placement.planner import Parallelism, plan
     from raylib.placement.topology import Topology
     from raylib.spec import JobSpec
 
@@ -141,7 +144,7 @@ def _plan(args) -> int:
 
         runtime.connect(args.address)
         topology = Topology.from_ray_nodes(ray.nodes(), cpus_per_rank=spec.scaling.cpus_per_worker)
-    p = plan(topology, spec.placement.parallelism(spec.world_size),
+    p = plan(topology, Parallelism.of(spec),
              cpus_per_rank=spec.scaling.cpus_per_worker)
     print(json.dumps(p.to_dict(), indent=2) if args.json else p.explain())
     return 0

@@ -1,19 +1,61 @@
 """The typed job spec: one YAML file (or Python object) describes a whole training job.
 
-Every section forbids unknown keys, and every cross-field rule is checked here, before any Ray
-resource is reserved. Errors name the offending key and the fix.
+Every section forbids unknown keys, and every rule that needs no other part of raylib is checked
+here, before any Ray resource is reserved. Errors name the offending key and the fix.
+
+A leaf of the package: pure schema (pydantic + YAML), importing no other raylib layer, so building
+a JobSpec never imports DeepSpeed, Ray or the data layer. The effective DeepSpeed config is
+resolved once, on the driver, by `raylib.train.strategy.resolve_ds_config`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from raylib.train.presets import MODEL_PRESETS
+from raylib.fileio import load_yaml_mapping
+
+# BERT architecture presets (Turc et al. 2019 compact models, plus the original base/large).
+# Models are always built from a config: no weights are downloaded.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "bert-tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512),
+    "bert-mini": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024),
+    "bert-small": dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, intermediate_size=2048),
+    "bert-medium": dict(num_hidden_layers=8, hidden_size=512, num_attention_heads=8, intermediate_size=2048),
+    "bert-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
+    "bert-large": dict(
+        num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096
+    ),
+}
+
+DEFAULT_MICRO_BATCH = 8
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 1024, "MB": 1024**2, "GB": 1024**3}
+
+
+def parse_size(text: str | int) -> int:
+    """'512KB' -> 524288. Plain integers are bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"size {text!r} not understood; write e.g. 512KB, 4MB or 1GB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+
+
+def resolve_local(url: str) -> str:
+    """A local path (relative ones against the submitting directory, ~ expanded) made absolute,
+    so it means the same on the driver and in every worker; other fsspec URLs as they are."""
+    proto = url.split("://", 1)[0] if "://" in url else None
+    if proto not in (None, "file", "local"):
+        return url
+    return str(Path(url.split("://", 1)[-1]).expanduser().resolve())
 
 
 class SpecError(ValueError):
@@ -26,7 +68,7 @@ class _Section(BaseModel):
 
 class ModelSpec(_Section):
     preset: str = "bert-tiny"
-    """Architecture preset: one of raylib.train.presets.MODEL_PRESETS (bert-tiny ... bert-large)."""
+    """Architecture preset: one of MODEL_PRESETS (bert-tiny ... bert-large)."""
     overrides: dict[str, Any] = Field(default_factory=dict)
     """BertConfig fields that override the preset, e.g. {num_hidden_layers: 4}."""
 
@@ -49,54 +91,76 @@ class ModelSpec(_Section):
         return v
 
 
-class CacheTierSpec(_Section):
-    """One local cache tier (hot: /dev/shm or NVMe, warm: local disk)."""
+def _size_field(v: Any, what: str) -> Any:
+    if isinstance(v, str):
+        text = v.strip()
+        if what == "bandwidth":
+            text = text.removesuffix("/s").removesuffix("ps")
+        return parse_size(text)
+    return v
+
+
+class TierSpec(_Section):
+    """One storage tier. In `data.tiers`: a node-local cache tier (hot: /dev/shm or NVMe, warm:
+    local disk), fastest first; the cold (origin) tier is `data.path`."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    """Short unique name used in metrics and errors: hot, warm, cold."""
     url: str
-    """A node-local directory; every node uses the same path."""
-    capacity: int | str
-    """Bytes this node's tier may hold, shared by the node's ranks ('512MB' accepted)."""
-    bandwidth: float | str | None = None
-    """Bytes/s this tier can feed the next faster one ('1GB/s'); None: measured."""
+    """Cache tiers: a node-local directory, the same path on every node (relative: against the
+    submitting directory). The origin: any fsspec URL holding the built dataset."""
+    capacity: int | None = Field(None, gt=0)
+    """Bytes a cache tier may hold, shared by the node's ranks ('512MB' accepted). Left out for
+    the origin."""
+    bandwidth: float | None = Field(None, gt=0)
+    """Bytes/s this tier feeds the next faster one ('1GB/s'); None: measured from the transfers.
+    Used to plan how far ahead to prefetch."""
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
+    """fsspec options for the URL (the origin; credentials come from the environment)."""
 
-    @field_validator("url")
+    @field_validator("capacity", mode="before")
     @classmethod
-    def _absolute(cls, v: str) -> str:
-        # workers do not share the driver's working directory
-        proto = v.split("://", 1)[0] if "://" in v else None
-        if proto not in (None, "file", "local"):
-            raise ValueError(f"a cache tier must be a node-local directory, got {v!r} (the cold tier is "
-                             "data.path)")
-        return str(Path(v.split("://", 1)[-1]).expanduser().resolve())
+    def _capacity(cls, v: Any) -> Any:
+        return _size_field(v, "capacity")
 
-    @field_validator("capacity")
+    @field_validator("bandwidth", mode="before")
     @classmethod
-    def _capacity(cls, v: int | str) -> int:
-        from raylib.data.build import parse_size
-
-        n = parse_size(v) if isinstance(v, str) else v
-        if n <= 0:
-            raise ValueError(f"capacity must be positive, got {v!r}")
-        return n
+    def _bandwidth(cls, v: Any) -> Any:
+        return _size_field(v, "bandwidth")
 
 
 class PrefetchSpec(_Section):
+    """How a rank's prefetcher moves shards towards the hot tier. Every field has a working default."""
+
     concurrency: int = Field(2, ge=1)
     """Shard transfers running at once per rank."""
     lookahead: int | None = Field(None, ge=1)
-    """Shards ahead of the reader a transfer may start; None: derived from bandwidth."""
+    """Shards ahead of the reader a transfer may start (and the lookahead the plan is made for,
+    shortened if it would cost hits); None: derived from the origin's bandwidth and the reader's
+    time per shard."""
+    max_lookahead: int = Field(64, ge=1)
+    """Upper bound of the derived lookahead."""
     retries: int = Field(4, ge=0)
     """Retries of a transfer after a transient (network / 5xx) error, with backoff."""
+    backoff_s: float = Field(0.1, gt=0)
+    """Wait before the first retry; doubled on every further one."""
+    backoff_max_s: float = Field(5.0, gt=0)
+    """Longest wait between two attempts."""
     skip_corrupt: bool = False
     """Skip (and report) shards that are corrupt or missing at the origin instead of failing."""
+    consume_s_per_shard: float | None = Field(None, ge=0)
+    """The reader's time per shard, if known; None: measured while reading."""
+    wait_s: float = Field(600.0, gt=0)
+    """Longest the reader, or a transfer waiting for room, waits before raising."""
     policy: Literal["belady", "lru"] = "belady"
+    """Eviction plan: belady (farthest next use, from the known future) or lru (a baseline)."""
 
 
 class DataSpec(_Section):
-    path: str = ".raylib/data/ecommerce"
-    """fsspec URL (local dir, s3://...) of the tokenized parquet shards and tokenizer.json."""
-    manifest: str | None = "datasets/ecommerce.yaml"
+    path: str = Field(".raylib/data/ecommerce", validate_default=True)
+    """fsspec URL (local dir, s3://...) of the tokenized parquet shards and tokenizer.json. A
+    relative local path is resolved against the submitting directory."""
+    manifest: str | None = Field("datasets/ecommerce.yaml", validate_default=True)
     """Dataset manifest used to build `path` when it holds no shards yet (None: never build)."""
     mlm_probability: float = Field(0.15, gt=0.0, lt=1.0)
     """Fraction of tokens selected for masked-LM prediction (BERT: 0.15)."""
@@ -107,19 +171,33 @@ class DataSpec(_Section):
     prefetch_batches: int = Field(4, ge=1)
     """Micro-batches each rank prepares ahead of the training step (read, decode, mask): the
     data-loader parallelism that hides input latency (autotuned by `raylib tune`)."""
-    tiers: list[CacheTierSpec] = Field(default_factory=list)
+    tiers: list[TierSpec] = Field(default_factory=list)
     """Local cache tiers in front of `path`, fastest first (hot, then warm); `path` is the cold
-    tier. Empty: read `path` directly with Ray Data. With tiers, every rank reads its planned
-    shard order through a prefetcher that plans promotion/eviction from the known future."""
+    tier. Empty: read `path` directly. With tiers, every rank reads its planned shard order
+    through a prefetcher that plans promotion/eviction from the known future."""
     prefetch: PrefetchSpec = Field(default_factory=PrefetchSpec)
+
+    @field_validator("path", "manifest")
+    @classmethod
+    def _resolved(cls, v: str | None) -> str | None:
+        return None if v is None else resolve_local(v)
 
     @field_validator("tiers")
     @classmethod
-    def _unique_tiers(cls, v: list[CacheTierSpec]) -> list[CacheTierSpec]:
+    def _cache_tiers(cls, v: list[TierSpec]) -> list[TierSpec]:
         names = [t.name for t in v]
         if len(set(names)) != len(names) or "cold" in names:
             raise ValueError(f"tier names must be unique and not 'cold' (data.path is cold), got {names}")
-        return v
+        for t in v:
+            if resolve_local(t.url) == t.url and "://" in t.url:
+                raise ValueError(f"tier {t.name!r}: a cache tier must be a node-local directory, got "
+                                 f"{t.url!r} (the cold tier is data.path)")
+            if t.capacity is None:
+                raise ValueError(f"tier {t.name!r}: a cache tier needs a capacity (e.g. capacity: 8GB)")
+            if t.storage_options:
+                raise ValueError(f"tier {t.name!r}: storage_options apply to data.path only "
+                                 "(data.storage_options); a cache tier is a local directory")
+        return [t.model_copy(update={"url": resolve_local(t.url)}) for t in v]
 
 
 ZeroStage = Literal[0, 1, 2, 3]
@@ -172,6 +250,10 @@ class ScalingSpec(_Section):
     use_gpu: bool | Literal["auto"] = "auto"
     """auto: use one GPU per worker when the cluster has GPUs (NCCL), else CPU (gloo)."""
     cpus_per_worker: float = Field(1, gt=0)
+    oversubscribe: bool = False
+    """Embedded local cluster only: run more workers (x cpus_per_worker) than this machine has
+    cores, with a warning. False: such a job is refused before Ray starts (join a real cluster
+    with --address / RAY_ADDRESS instead)."""
 
 
 class PlacementSpec(_Section):
@@ -188,16 +270,12 @@ class PlacementSpec(_Section):
     timeout_s: float | None = Field(None, gt=0)
     """Give up (with the constraint that could not be met) after waiting this long."""
 
-    def parallelism(self, world_size: int):
-        from raylib.placement.planner import Parallelism
-
+    def check_divides(self, world_size: int) -> None:
         if world_size % (self.tp * self.pp):
             raise ValueError(
                 f"scaling.num_workers={world_size} is not divisible by placement.tp x placement.pp "
                 f"= {self.tp} x {self.pp}; use a multiple of {self.tp * self.pp} workers"
             )
-        return Parallelism(dp=world_size // (self.tp * self.pp), pp=self.pp, tp=self.tp,
-                           ranks_per_node=self.ranks_per_node)
 
 
 class CheckpointSpec(_Section):
@@ -212,7 +290,8 @@ class CheckpointSpec(_Section):
     replicas: int = Field(1, ge=0)
     """Copies of each rank's snapshot on other nodes (0: only the local keeper's copy)."""
     persist_url: str | None = None
-    """fsspec URL the snapshots are persisted to asynchronously (None: <run dir>/checkpoints)."""
+    """fsspec URL the snapshots are persisted to asynchronously (None: <run dir>/checkpoints;
+    a relative local path is resolved against the submitting directory)."""
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
     """fsspec options for persist_url (credentials come from the environment)."""
     keep_in_memory: int = Field(2, ge=1)
@@ -225,11 +304,18 @@ class CheckpointSpec(_Section):
     max_store_fraction: float = Field(0.5, gt=0, le=1)
     """Refuse a snapshot that would need more than this fraction of a node's object store."""
 
+    @field_validator("persist_url")
+    @classmethod
+    def _resolved(cls, v: str | None) -> str | None:
+        return None if v is None else resolve_local(v)
+
     @model_validator(mode="after")
     def _memory_fields_need_in_memory(self) -> CheckpointSpec:
         memory_only = {"replicas", "persist_url", "storage_options", "keep_in_memory",
                        "keep_persisted", "persist_every", "max_store_fraction"}
-        ignored = sorted(memory_only & self.model_fields_set)
+        fields = type(self).model_fields
+        ignored = sorted(f for f in memory_only
+                         if getattr(self, f) != fields[f].get_default(call_default_factory=True))
         if not self.in_memory and ignored:
             raise ValueError(f"{', '.join(ignored)} apply to object-store checkpoints only; set "
                              "in_memory: true or remove them (in_memory: false writes DeepSpeed "
@@ -245,8 +331,15 @@ class RunSpec(_Section):
     """Report metrics to Ray Train (and the progress bar) every N steps."""
     output_dir: str = "runs"
     """Run directories live in output_dir/<name>: summary.json, loss.png, checkpoints."""
-    max_failures: int = Field(0, ge=-1)
-    """Ray Train restarts of the worker group after a failure (-1: unlimited)."""
+    max_failures: int = Field(3, ge=-1)
+    """Restarts of the worker group after a failure (a worker or node lost): each resumes from
+    the latest checkpoint (in memory when checkpoint.in_memory). When they are used up the run
+    fails with an error that says how many failures happened and where the last good checkpoint
+    is. 0: fail at the first; -1: retry without limit."""
+    verify: bool = False
+    """Hash the full (gathered) parameters on every rank at the end and after a restore, and
+    record the digests in summary.json: proves replicas agree and a resume restored exactly.
+    Costs a gather of the whole model (tests, debugging); off in production."""
 
 
 class JobSpec(_Section):
@@ -270,11 +363,12 @@ class JobSpec(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
-        # Resolving the DeepSpeed config checks batch arithmetic and DS-JSON conflicts.
-        from raylib.train.strategy import resolve_ds_config
-
-        resolve_ds_config(self)
-        self.placement.parallelism(self.world_size)
+        # batch arithmetic (against a native DeepSpeed JSON's batch keys too) and the model split;
+        # the rest of the DeepSpeed config is resolved and checked by train.strategy, once
+        user = load_json_or_path(self.strategy.deepspeed_config) \
+            if self.strategy.deepspeed_config is not None else {}
+        resolve_batch(self.strategy, self.world_size, user)
+        self.placement.check_divides(self.world_size)
         return self
 
     # -- constructors ---------------------------------------------------------------------------
@@ -285,20 +379,12 @@ class JobSpec(_Section):
             return cls.model_validate(data)
         except ValidationError as e:
             raise SpecError(_explain(e, source)) from None
-        except ValueError as e:  # raised by resolve_ds_config outside field validation
+        except ValueError as e:  # raised outside field validation
             raise SpecError(f"{source}: {e}") from None
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> JobSpec:
-        path = Path(path)
-        if not path.is_file():
-            raise SpecError(f"config file {str(path)!r} not found")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise SpecError(f"{path}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise SpecError(f"{path}: the top level must be a mapping of sections")
+        data = load_yaml_mapping(path, "config file", error=SpecError)
         for item in overrides or []:
             apply_override(data, item)
         return cls.from_dict(data, source=str(path))
@@ -384,3 +470,64 @@ def load_json_or_path(value: str | dict[str, Any]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"strategy.deepspeed_config: {value!r} must hold a JSON object")
     return data
+
+
+# DeepSpeed's names of the batch triple, by strategy field
+BATCH_KEYS = {
+    "micro_batch_size": "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "global_batch_size": "train_batch_size",
+}
+
+
+def resolve_batch(s: StrategySpec, world: int, user: dict[str, Any]) -> tuple[int, int, int]:
+    """(micro, accumulation, global) from the strategy's fields and a native DeepSpeed JSON's
+    batch keys (`user`, strategy fields first): global = micro x accumulation x world."""
+    vals: dict[str, int | None] = {}
+    for field, ds_key in BATCH_KEYS.items():
+        v = getattr(s, field)
+        ds_v = user.get(ds_key)
+        if v is None and ds_v not in (None, "auto"):
+            if not isinstance(ds_v, int) or isinstance(ds_v, bool) or ds_v < 1:
+                raise ValueError(f"strategy.deepspeed_config.{ds_key} must be a positive integer "
+                                 f"(got {ds_v!r})")
+            v = ds_v
+        vals[field] = v
+    m, a, g = vals["micro_batch_size"], vals["gradient_accumulation_steps"], vals["global_batch_size"]
+    fix = (
+        f"global_batch_size must equal micro_batch_size x gradient_accumulation_steps x "
+        f"num_workers ({world})"
+    )
+    if g is None:
+        m = m or DEFAULT_MICRO_BATCH
+        a = a or 1
+        g = m * a * world
+    elif m is None and a is None:
+        a = 1
+        if g % world:
+            raise ValueError(
+                f"strategy.global_batch_size={g} is not divisible by num_workers={world}; "
+                f"use a multiple of {world}"
+            )
+        m = g // world
+    elif m is None:
+        if g % (a * world):
+            raise ValueError(
+                f"strategy.global_batch_size={g} is not divisible by gradient_accumulation_steps"
+                f" x num_workers = {a} x {world}; {fix}"
+            )
+        m = g // (a * world)
+    elif a is None:
+        if g % (m * world):
+            raise ValueError(
+                f"strategy.global_batch_size={g} is not divisible by micro_batch_size x "
+                f"num_workers = {m} x {world}; {fix}"
+            )
+        a = g // (m * world)
+    elif m * a * world != g:
+        raise ValueError(
+            f"inconsistent batch: micro_batch_size={m} x gradient_accumulation_steps={a} x "
+            f"num_workers={world} = {m * a * world}, but global_batch_size={g}; {fix}, "
+            "or give only two of the three"
+        )
+    return m, a, g

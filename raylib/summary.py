@@ -7,7 +7,10 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from raylib.train.history import RunHistory
 
 WARMUP_STEPS = 2  # excluded from throughput: first steps pay for lazy init and data start-up
 
@@ -58,18 +61,19 @@ def _checkpoint_line(c: dict[str, Any]) -> str:
     return line
 
 
-def summarize(spec, history: dict[str, Any], index, ds_config: dict[str, Any],
+def summarize(spec, history: RunHistory, index, ds_config: dict[str, Any],
               checkpoint_uri: str | None, wall_s: float, run_dir: Path) -> RunResult:
-    losses = history["losses"]
-    times = history["step_times"]
+    losses = history.losses
+    times = history.step_times
     timed = times[WARMUP_STEPS:] if len(times) > WARMUP_STEPS else times
-    batch = history["global_batch"]
+    batch = history.global_batch
     samples_per_s = batch * len(timed) / sum(timed) if timed else None
-    loop_s = history["loop_s"]
+    loop_s = history.loop_s
+    digests = history.param_digests
     summary = {
         "name": spec.name,
-        "steps": history["start_step"] + len(losses),
-        "start_step": history["start_step"],
+        "steps": history.end_step,
+        "start_step": history.start_step,
         "world_size": spec.world_size,
         "zero_stage": ds_config["zero_optimization"]["stage"],
         "precision": spec.strategy.precision,
@@ -80,27 +84,28 @@ def summarize(spec, history: dict[str, Any], index, ds_config: dict[str, Any],
         "samples_per_s": samples_per_s,
         "tokens_per_s": samples_per_s * index.seq_len if samples_per_s else None,
         "step_time_s": statistics.median(times) if times else None,
-        "data_wait_fraction": history["data_wait_s"] / loop_s if loop_s > 0 else 0.0,
-        "checkpoint_s": history["checkpoint_s"],
+        "data_wait_fraction": history.data_wait_s / loop_s if loop_s > 0 else 0.0,
+        "checkpoint_s": history.checkpoint_s,
         "checkpoint_uri": checkpoint_uri,
-        "param_digests_agree": len(set(history["param_digests"])) == 1,
-        # sha256 of the full parameters at the end, and as restored at the start (None: a fresh start)
-        "param_digest": history["param_digests"][0],
-        "restored_param_digest": history.get("restored_param_digest"),
-        "rank_nodes": history["rank_nodes"],
-        "planned_nodes": history.get("planned_nodes"),
-        "preemptions": history.get("preemptions", 0),
+        # run.verify only (None otherwise): sha256 of the full parameters at the end, whether every
+        # rank's agree, and the digest as restored at the start (None: a fresh start)
+        "param_digests_agree": len(set(digests)) == 1 if digests else None,
+        "param_digest": digests[0] if digests else None,
+        "restored_param_digest": history.restored_param_digest,
+        "rank_nodes": history.rank_nodes,
+        "planned_nodes": history.planned_nodes,
+        "preemptions": history.preemptions,
         "wall_s": wall_s,
-        "data": data_summary(history.get("data_ranks"), history["data_wait_s"], loop_s),
-        "checkpoint": history.get("checkpoint") or None,
+        "data": data_summary(history.data_ranks, history.data_wait_s, loop_s),
+        "checkpoint": history.checkpoint or None,
         "loss_curve": losses,
     }
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if losses:
-        plot_loss(losses, history["start_step"], run_dir / "loss.png", title=spec.name)
-    if history.get("data_timeline"):
-        plot_tiers(history["data_timeline"], run_dir / "data_tiers.png", title=spec.name)
+        plot_loss(losses, history.start_step, run_dir / "loss.png", title=spec.name)
+    if history.data_timeline:
+        plot_tiers(history.data_timeline, run_dir / "data_tiers.png", title=spec.name)
     return RunResult(summary=summary, run_dir=run_dir)
 
 

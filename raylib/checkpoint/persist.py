@@ -14,7 +14,6 @@ sha256 against the manifest (`ChecksumError`), so a corrupt or truncated shard i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -24,13 +23,10 @@ from typing import Any
 
 import fsspec
 
+from raylib.fileio import ChecksumError, hashed_copy, hashed_write
+
 _STEP = re.compile(r"step-(\d+)$")
 _MANIFEST = re.compile(r"rank-(\d+)\.manifest\.json$")
-_CHUNK = 8 * 1024 * 1024
-
-
-class ChecksumError(RuntimeError):
-    """A persisted file does not match its manifest (corrupt or truncated)."""
 
 
 def step_dir(step: int) -> str:
@@ -61,18 +57,13 @@ class PersistedRun:
 
     def _write(self, path: str, data) -> str:
         """Write `data` (bytes-like) to `path` whole or not at all; returns its sha256."""
-        view = memoryview(data).cast("B")
         target = f"{path}.partial-{secrets.token_hex(4)}" if self._rename else path
         self.fs.makedirs(os.path.dirname(path), exist_ok=True)
-        digest = hashlib.sha256()
         with self.fs.open(target, "wb") as f:
-            for i in range(0, len(view), _CHUNK):
-                chunk = view[i:i + _CHUNK]
-                digest.update(chunk)
-                f.write(chunk)
+            digest = hashed_write(data, f.write)
         if self._rename:
             self.fs.mv(target, path)
-        return digest.hexdigest()
+        return digest
 
     def write_part(self, step: int, rank: int, world_size: int, files: Mapping[str, Any],
                    meta: dict[str, Any]) -> dict[str, Any]:
@@ -130,17 +121,13 @@ class PersistedRun:
             source = self._path(f"{_part_dir(step, rank)}/{rel}")
             target = os.path.join(into, rel)
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            digest, size = hashlib.sha256(), 0
             with self.fs.open(source, "rb") as src, open(target, "wb") as dst:
-                while chunk := src.read(_CHUNK):
-                    digest.update(chunk)
-                    size += len(chunk)
-                    dst.write(chunk)
-            if size != entry["bytes"] or digest.hexdigest() != entry["sha256"]:
+                size, digest = hashed_copy(src, dst.write)
+            if size != entry["bytes"] or digest != entry["sha256"]:
                 os.remove(target)
                 raise ChecksumError(
                     f"persisted checkpoint file {self.url}/{self.run}/{_part_dir(step, rank)}/{rel} is "
-                    f"corrupt: {size} bytes, sha256 {digest.hexdigest()[:12]}... where the manifest "
+                    f"corrupt: {size} bytes, sha256 {digest[:12]}... where the manifest "
                     f"says {entry['bytes']} bytes, sha256 {entry['sha256'][:12]}..."
                 )
         return manifest

@@ -13,7 +13,6 @@ import hashlib
 import io
 import json
 import logging
-import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,30 +22,17 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from raylib.data.corpus import KINDS, document
+from raylib.fileio import load_yaml_mapping
+from raylib.spec import parse_size
 
 log = logging.getLogger(__name__)
 
 INDEX = "index.json"
 TOKENIZER = "tokenizer.json"
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 1024, "MB": 1024**2, "GB": 1024**3}
-
-
-def parse_size(text: str | int) -> int:
-    """'512KB' -> 524288. Plain integers are bytes."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"size {text!r} not understood; write e.g. 512KB, 4MB or 1GB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
-
 
 class DatasetManifest(BaseModel):
     """datasets/*.yaml: how to generate and tokenize a corpus."""
@@ -84,15 +70,7 @@ class DatasetManifest(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path) -> DatasetManifest:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"dataset manifest {str(path)!r} not found")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: a dataset manifest must be a mapping of fields")
+        data = load_yaml_mapping(path, "dataset manifest")
         try:
             return cls.model_validate(data)
         except ValidationError as e:

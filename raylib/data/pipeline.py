@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from raylib.data.planner import Access, rank_sequence
-from raylib.data.prefetch import PrefetchConfig, Prefetcher
+from raylib.data.prefetch import Prefetcher
 from raylib.data.source import MLMMasker
-from raylib.data.tiers import TieredStore, TierSpec, shards_from_index
+from raylib.data.tiers import TieredStore, shards_from_index
+from raylib.spec import TierSpec
 
 if TYPE_CHECKING:
     from raylib.data.build import DatasetIndex
@@ -52,8 +53,7 @@ def dataset_fingerprint(index: DatasetIndex) -> str:
 def tiered_store(spec: JobSpec, index: DatasetIndex) -> TieredStore:
     """The node's tiers from `data.tiers`, with `data.path` as the cold (origin) tier."""
     fp = dataset_fingerprint(index)
-    tiers = [TierSpec(name=t.name, url=os.path.join(t.url, fp), capacity=t.capacity,
-                      bandwidth=t.bandwidth) for t in spec.data.tiers]
+    tiers = [t.model_copy(update={"url": os.path.join(t.url, fp)}) for t in spec.data.tiers]
     tiers.append(TierSpec(name="cold", url=spec.data.path, storage_options=spec.data.storage_options))
     return TieredStore(tiers, shards_from_index(index))
 
@@ -97,11 +97,9 @@ class TieredPipeline:
         self.accesses = self._sequence(world_size, rank, rows_needed)
         self.rows_done = rows_done
         start, self._skip_rows = self._locate(rows_done)
-        p = spec.data.prefetch
         caps = {t.name: t.capacity // max(1, local_ranks) for t in spec.data.tiers}
-        self.prefetcher = Prefetcher(self.store, self.accesses, PrefetchConfig(
-            concurrency=p.concurrency, lookahead=p.lookahead, retries=p.retries,
-            skip_corrupt=p.skip_corrupt, policy=p.policy, capacities=caps), start=start)
+        self.prefetcher = Prefetcher(self.store, self.accesses, spec.data.prefetch, start=start,
+                                     capacities=caps)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_batches)
         self._stop = threading.Event()
         self._t0 = time.monotonic()

@@ -2,7 +2,7 @@
 
 One `Prefetcher` serves one reader (a training rank) its known access sequence:
 
-    with Prefetcher(store, rank_sequence(...), PrefetchConfig(concurrency=2)) as pf:
+    with Prefetcher(store, rank_sequence(...), PrefetchSpec(concurrency=2)) as pf:
         for access, path in pf:          # path: a verified local copy, pinned until the next step
             train_on(path)
 
@@ -53,9 +53,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from raylib.data.planner import Access, CacheSim, Load, lead_positions, plan_tiers
 from raylib.data.tiers import (
@@ -67,6 +65,7 @@ from raylib.data.tiers import (
     TierFull,
     TransferError,
 )
+from raylib.spec import PrefetchSpec
 
 
 class ShardUnavailable(StoreError):
@@ -85,39 +84,6 @@ class ShardUnavailable(StoreError):
 
 class PrefetchClosed(StoreError):
     """The prefetcher was closed while a transfer was waiting."""
-
-
-class PrefetchConfig(BaseModel):
-    """How the prefetcher runs. Every field has a working default."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    concurrency: int = Field(2, ge=1)
-    """Transfers running at once."""
-    lookahead: int | None = Field(None, ge=1)
-    """Fixed number of positions ahead of the reader a transfer may start (and the lookahead
-    the plan is made for, shortened if it would cost hits). None: derived from the origin's
-    bandwidth and the reader's time per shard (see planner.lead_positions)."""
-    max_lookahead: int = Field(64, ge=1)
-    """Upper bound of the derived lookahead."""
-    retries: int = Field(4, ge=0)
-    """Retries of a transfer after a transient error (so retries + 1 attempts)."""
-    backoff_s: float = Field(0.1, gt=0)
-    """Wait before the first retry; doubled on every further one."""
-    backoff_max_s: float = Field(5.0, gt=0)
-    """Longest wait between two attempts."""
-    skip_corrupt: bool = False
-    """Skip (count and report) shards that are corrupt or missing at the origin instead of raising."""
-    consume_s_per_shard: float | None = Field(None, ge=0)
-    """The reader's time per shard, if known; None: measured while reading."""
-    capacities: dict[str, int] | None = None
-    """Bytes of each cache tier this reader plans with (default: the whole tier). Readers that
-    share a node's tiers give each one a share, e.g. capacity // local ranks."""
-    wait_s: float = Field(600.0, gt=0)
-    """Longest the reader, or a transfer waiting for room, waits before raising."""
-    policy: Literal["belady", "lru"] = "belady"
-    """Eviction plan: belady (farthest next use; the point of this module) or lru (a baseline,
-    what an ordinary cache with prefetch would do)."""
 
 
 @dataclass
@@ -166,10 +132,11 @@ class Prefetcher:
     and "error", with info {shard, pos, message}."""
 
     def __init__(self, store: TieredStore, accesses: Sequence[str | Access],
-                 config: PrefetchConfig | Mapping[str, Any] | None = None, *, start: int = 0,
+                 config: PrefetchSpec | Mapping[str, Any] | None = None, *, start: int = 0,
+                 capacities: Mapping[str, int] | None = None,
                  on_event: Callable[[str, dict], None] | None = None):
         self.store = store
-        self.config = config if isinstance(config, PrefetchConfig) else PrefetchConfig.model_validate(
+        self.config = config if isinstance(config, PrefetchSpec) else PrefetchSpec.model_validate(
             config or {})
         self.accesses: list[Access] = [
             a if isinstance(a, Access) else Access(i, 0, i, a) for i, a in enumerate(accesses)]
@@ -184,6 +151,7 @@ class Prefetcher:
         self.on_event = on_event
         self._cache_tiers = store.tier_names[:-1]
         self._hot = self._cache_tiers[0]
+        self._given_caps = capacities
         self._caps = self._capacities()
         self._sizes = {a.shard: store.shards[a.shard].bytes for a in self.accesses}
         self._uses: dict[str, list[int]] = {}
@@ -420,7 +388,7 @@ class Prefetcher:
     # ------------------------------------------------------------------------------ internals
     def _capacities(self) -> dict[str, int]:
         caps = {t: self.store.spec(t).capacity for t in self._cache_tiers}
-        given = self.config.capacities or {}
+        given = dict(self._given_caps or {})
         unknown = sorted(set(given) - set(caps))
         if unknown:
             raise ValueError(f"capacities: unknown tier(s) {unknown}; cache tiers: {self._cache_tiers}")

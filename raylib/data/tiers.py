@@ -20,7 +20,7 @@ Rules that hold across processes and threads:
 * Atomicity: a copy is written to a temporary name in the same directory and renamed into place
   only after its size and sha256 match index.json; a reader only ever gets the path of a ready
   copy, so nothing half-written or corrupt is served. A mismatch removes the copy (and a corrupt
-  source copy in a cache tier) and raises `ChecksumError` naming the shard and the tier.
+  source copy in a cache tier) and raises `ShardCorrupt` (a `ChecksumError`) naming the shard and the tier.
 * Pins: a pinned copy (a reader is on it, or a prefetcher loaded it for an upcoming read) is never
   evicted. Pins and reservations of processes that died are dropped the next time the tier is
   locked (the pid no longer exists), together with their partial files.
@@ -37,7 +37,6 @@ the victims (the planner's Belady choice) and an ordering for anything else.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import secrets
@@ -51,21 +50,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from raylib.data.build import parse_size
+from raylib.fileio import CHUNK, ChecksumError, hashed_copy
+from raylib.spec import TierSpec
 
 META_DIR = ".raylib-tier"
 LEDGER = "ledger.json"
 LOCK = "lock"
-_CHUNK = 4 * 1024 * 1024
 
 
 class StoreError(Exception):
     """Base of the tiered store's errors."""
 
 
-class ChecksumError(StoreError):
+class ShardCorrupt(StoreError, ChecksumError):
     """A copy of `shard` read from `tier` does not match index.json; the copy was removed."""
 
     def __init__(self, shard: str, tier: str, url: str, expected: str, actual: str, size: int,
@@ -126,44 +124,6 @@ def shards_from_index(index: Any) -> dict[str, ShardInfo]:
     shards = index["shards"] if isinstance(index, Mapping) else index.shards
     return {s["path"]: ShardInfo(s["path"], int(s["bytes"]), s["sha256"], int(s.get("rows", 0)))
             for s in shards}
-
-
-def _size(v: Any, what: str) -> Any:
-    if isinstance(v, str):
-        text = v.strip()
-        if what == "bandwidth":
-            text = text.removesuffix("/s").removesuffix("ps")
-        return parse_size(text)
-    return v
-
-
-class TierSpec(BaseModel):
-    """One storage tier. Cache tiers first (fastest first), the origin (cold) tier last."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    """Short unique name used in metrics and errors: hot, warm, cold."""
-    url: str
-    """Cache tiers: a local directory (/dev/shm/x, /nvme/x, file:///x). The last tier: any fsspec
-    URL holding the built dataset (s3://bucket/prefix, a local directory ...)."""
-    capacity: int | None = Field(None, gt=0)
-    """Bytes a cache tier may hold ('512MB' accepted). Must be left out for the last tier."""
-    bandwidth: float | None = Field(None, gt=0)
-    """Bytes/s read from this tier ('200MB' or '200MB/s' accepted); None: measured from the
-    transfers. Used to plan how far ahead to prefetch."""
-    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
-    """fsspec options for the URL, e.g. raylib.data.s3server.s3_storage_options(endpoint)."""
-
-    @field_validator("capacity", mode="before")
-    @classmethod
-    def _capacity(cls, v: Any) -> Any:
-        return _size(v, "capacity")
-
-    @field_validator("bandwidth", mode="before")
-    @classmethod
-    def _bandwidth(cls, v: Any) -> Any:
-        return _size(v, "bandwidth")
 
 
 @dataclass(frozen=True)
@@ -690,19 +650,9 @@ class TieredStore:
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
         src, f = self._open_source(name, exclude=t)
         start = time.monotonic()
-        h = hashlib.sha256()
-        n = 0
         try:
             with f, open(tmp, "wb") as out:
-                while True:
-                    chunk = f.read(_CHUNK)
-                    if not chunk:
-                        break
-                    n += len(chunk)
-                    if n > info.bytes:  # never write past the reservation
-                        break
-                    h.update(chunk)
-                    out.write(chunk)
+                n, digest = hashed_copy(f, out.write, limit=info.bytes)  # never past the reservation
         except FileNotFoundError as e:
             if src.origin:
                 raise ShardMissing(name, src.name, src.url(name)) from e
@@ -710,7 +660,6 @@ class TieredStore:
         except Exception as e:  # OSError, and botocore / aiohttp errors (not OSErrors)
             raise TransferError(name, src.name, t.name, e) from e
         seconds = time.monotonic() - start
-        digest = h.hexdigest()
         if n != info.bytes or digest != info.sha256:
             _unlink(tmp)
             with self._stats_lock:
@@ -720,7 +669,7 @@ class TieredStore:
                     if name in led and led[name]["state"] == "ready":
                         _unlink(src.path(name))
                         del led[name]
-            raise ChecksumError(name, src.name, src.url(name), info.sha256, digest, n, info.bytes)
+            raise ShardCorrupt(name, src.name, src.url(name), info.sha256, digest, n, info.bytes)
         return src.name, seconds
 
     def _open_source(self, name: str, exclude: _Tier):
@@ -741,7 +690,7 @@ class TieredStore:
                 return s, f
         origin = self._tiers[-1]
         try:
-            return origin, origin.fs.open(origin.path(name), "rb", block_size=_CHUNK)
+            return origin, origin.fs.open(origin.path(name), "rb", block_size=CHUNK)
         except FileNotFoundError as e:
             raise ShardMissing(name, origin.name, origin.url(name)) from e
         except Exception as e:

@@ -61,6 +61,13 @@ class Parallelism(_Model):
             )
         return self
 
+    @classmethod
+    def of(cls, spec) -> Parallelism:
+        """The parallelism a JobSpec asks for (its placement section at its world size)."""
+        p, world = spec.placement, spec.world_size
+        p.check_divides(world)
+        return cls(dp=world // (p.tp * p.pp), pp=p.pp, tp=p.tp, ranks_per_node=p.ranks_per_node)
+
     @property
     def world(self) -> int:
         return self.dp * self.pp * self.tp

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 # Ray node labels read by Topology.from_ray_nodes (`ray start --labels leaf=l3,spine=s0,...`).
@@ -187,15 +186,9 @@ class Topology(_Model):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Topology:
-        path = Path(path)
-        if not path.is_file():
-            raise TopologyError(f"topology file {str(path)!r} not found")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise TopologyError(f"{path}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise TopologyError(f"{path}: the top level must be a mapping (name, levels, nodes)")
+        from raylib.fileio import load_yaml_mapping
+
+        data = load_yaml_mapping(path, "topology file", error=TopologyError)
         return cls.from_dict(data, source=str(path))
 
     @classmethod

@@ -12,9 +12,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from raylib.train import checkpointing
+from raylib.train.history import RunHistory
 
 
-def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
+def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     """Ray Train's train_loop_per_worker. Rank 0 returns the run's history."""
     on_gpu = config["on_gpu"]
     # Chosen before deepspeed is imported: it picks its accelerator at import time.
@@ -47,8 +48,9 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
         model=model, model_parameters=model.parameters(), config=ds_config
     )
     start, state = checkpointer.restore(engine)
+    verify = spec.run.verify
     # what came back, compared exactly with the saving run's final digest (a collective: every rank)
-    restored_digest = _parameter_digest(engine, spec.strategy.zero_stage) if start else None
+    restored_digest = _parameter_digest(engine, spec.strategy.zero_stage) if start and verify else None
     state = _own_state(state, rank)
     _restore_rng(state.get("rng"), on_gpu)
     accum = engine.gradient_accumulation_steps()
@@ -109,28 +111,22 @@ def worker_loop(config: dict[str, Any]) -> dict[str, Any] | None:
     if losses:
         dist.all_reduce(curve)
         curve /= dist.get_world_size()
-    digests: list[tuple | None] = [None] * dist.get_world_size()
+    ranks: list[tuple | None] = [None] * dist.get_world_size()
     node = ray.get_runtime_context().get_node_id()
     data_brief = {k: v for k, v in data_metrics.items() if k != "timeline"} if data_metrics else None
-    dist.all_gather_object(digests, (_parameter_digest(engine, spec.strategy.zero_stage), node, data_brief))
+    digest = _parameter_digest(engine, spec.strategy.zero_stage) if verify else None
+    dist.all_gather_object(ranks, (digest, node, data_brief))
     if rank != 0:
         return None
-    return {
-        "start_step": start,
-        "losses": curve.tolist(),
-        "step_times": step_times,
-        "data_wait_s": data_wait,
-        "checkpoint_s": checkpoint_s,
-        "loop_s": loop_s,
-        "global_batch": global_batch,
-        "param_digests": [d[0] for d in digests],
-        "restored_param_digest": restored_digest,
-        "rank_nodes": [d[1] for d in digests],
-        "data_ranks": [d[2] for d in digests] if data_metrics else None,
-        "checkpoint": checkpointer.metrics(),
-        "preempted": preempted,
-        "data_timeline": data_metrics["timeline"] if data_metrics else None,
-    }
+    return RunHistory(
+        start_step=start, global_batch=global_batch, losses=curve.tolist(), step_times=step_times,
+        data_wait_s=data_wait, checkpoint_s=checkpoint_s, loop_s=loop_s,
+        rank_nodes=[r[1] for r in ranks],
+        param_digests=[r[0] for r in ranks] if verify else None, restored_param_digest=restored_digest,
+        data_ranks=[r[2] for r in ranks] if data_metrics else None,
+        data_timeline=data_metrics["timeline"] if data_metrics else None,
+        checkpoint=checkpointer.metrics(), preempted=preempted,
+    )
 
 
 def _tiered_pipeline(spec, config, ctx, micro, rows_per_step, start, state, device):

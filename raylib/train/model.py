@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from raylib.train.presets import MODEL_PRESETS
+from raylib.spec import MODEL_PRESETS
 
 if TYPE_CHECKING:
     from transformers import BertConfig, BertForMaskedLM

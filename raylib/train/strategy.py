@@ -12,12 +12,9 @@ user's native DeepSpeed JSON. Rules of the merge:
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from raylib.spec import JobSpec
-
-DEFAULT_MICRO_BATCH = 8
+from raylib.spec import BATCH_KEYS, JobSpec, load_json_or_path, resolve_batch
 
 # Top-level keys DeepSpeed 0.19 understands; anything else is almost certainly a typo that
 # DeepSpeed itself would silently ignore.
@@ -37,20 +34,12 @@ DEEPSPEED_TOP_LEVEL_KEYS = frozenset(
     zenflow tensor_parallel""".split()
 )
 
-_BATCH_KEYS = {
-    "micro_batch_size": "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps": "gradient_accumulation_steps",
-    "global_batch_size": "train_batch_size",
-}
-
-
 def resolve_ds_config(spec: JobSpec, on_gpu: bool = False) -> dict[str, Any]:
     """The effective DeepSpeed config of `spec` at world size spec.scaling.num_workers.
 
-    Raises ValueError naming the key and the fix when the strategy cannot run.
+    Raises ValueError naming the key and the fix when the strategy cannot run. The one place the
+    DeepSpeed config is resolved: the driver calls it once per run (and --dry-run prints it).
     """
-    from raylib.spec import load_json_or_path
-
     s = spec.strategy
     user = load_json_or_path(s.deepspeed_config) if s.deepspeed_config is not None else {}
     unknown = sorted(set(user) - DEEPSPEED_TOP_LEVEL_KEYS)
@@ -66,7 +55,7 @@ def resolve_ds_config(spec: JobSpec, on_gpu: bool = False) -> dict[str, Any]:
                 "see https://www.deepspeed.ai/docs/config-json/"
             )
     _check_explicit_conflicts(spec, user)
-    micro, accum, total = _resolve_batch(spec, user)
+    micro, accum, total = resolve_batch(s, spec.world_size, user)
 
     generated: dict[str, Any] = {
         "train_batch_size": total,
@@ -118,57 +107,6 @@ def _check_offload(spec: JobSpec, zero: dict[str, Any]) -> None:
         )
 
 
-def _resolve_batch(spec: JobSpec, user: dict[str, Any]) -> tuple[int, int, int]:
-    s, world = spec.strategy, spec.world_size
-    vals: dict[str, int | None] = {}
-    for field, ds_key in _BATCH_KEYS.items():
-        v = getattr(s, field)
-        ds_v = user.get(ds_key)
-        if v is None and ds_v not in (None, "auto"):
-            if not isinstance(ds_v, int) or ds_v < 1:
-                raise ValueError(f"strategy.deepspeed_config.{ds_key} must be a positive integer")
-            v = ds_v
-        vals[field] = v
-    m, a, g = vals["micro_batch_size"], vals["gradient_accumulation_steps"], vals["global_batch_size"]
-    fix = (
-        f"global_batch_size must equal micro_batch_size x gradient_accumulation_steps x "
-        f"num_workers ({world})"
-    )
-    if g is None:
-        m = m or DEFAULT_MICRO_BATCH
-        a = a or 1
-        g = m * a * world
-    elif m is None and a is None:
-        a = 1
-        if g % world:
-            raise ValueError(
-                f"strategy.global_batch_size={g} is not divisible by num_workers={world}; "
-                f"use a multiple of {world}"
-            )
-        m = g // world
-    elif m is None:
-        if g % (a * world):
-            raise ValueError(
-                f"strategy.global_batch_size={g} is not divisible by gradient_accumulation_steps"
-                f" x num_workers = {a} x {world}; {fix}"
-            )
-        m = g // (a * world)
-    elif a is None:
-        if g % (m * world):
-            raise ValueError(
-                f"strategy.global_batch_size={g} is not divisible by micro_batch_size x "
-                f"num_workers = {m} x {world}; {fix}"
-            )
-        a = g // (m * world)
-    elif m * a * world != g:
-        raise ValueError(
-            f"inconsistent batch: micro_batch_size={m} x gradient_accumulation_steps={a} x "
-            f"num_workers={world} = {m * a * world}, but global_batch_size={g}; {fix}, "
-            "or give only two of the three"
-        )
-    return m, a, g
-
-
 def _check_explicit_conflicts(spec: JobSpec, user: dict[str, Any]) -> None:
     """A strategy field set explicitly must not contradict the native DeepSpeed JSON."""
     s = spec.strategy
@@ -182,7 +120,7 @@ def _check_explicit_conflicts(spec: JobSpec, user: dict[str, Any]) -> None:
                 f"remove one of them"
             )
 
-    for field, ds_key in _BATCH_KEYS.items():
+    for field, ds_key in BATCH_KEYS.items():
         clash(field, getattr(s, field), ds_key, user.get(ds_key))
     clash("zero_stage", s.zero_stage, "zero_optimization.stage",
           user.get("zero_optimization", {}).get("stage"))

@@ -8,12 +8,22 @@ import logging
 import os
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from raylib.spec import JobSpec
 from raylib.summary import RunResult, summarize
+from raylib.train.history import RunHistory
 
 log = logging.getLogger(__name__)
+
+# Bounded retries of a worker group that cannot start (its resources held elsewhere): Ray Train
+# retries those without limit by default, which hangs a run silently.
+STARTUP_FAILURE_LIMIT = 2
+
+
+class RunFailed(RuntimeError):
+    """A run that failed more often than run.max_failures allows; says where it can resume."""
 
 
 def run(spec: JobSpec, address: str | None = None, progress: bool = True,
@@ -42,14 +52,16 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
             )
         build(DatasetManifest.load(spec.data.manifest), spec.data.path, progress=progress)
     index = read_index(spec.data.path)
-    _check_data_fits(spec, index)
+    ds_config = resolve_ds_config(spec)  # the one resolution (CPU shape; GPU adjusts the optimizer)
+    _check_data_fits(spec, index, ds_config["train_micro_batch_size_per_gpu"])
     check_tiers(spec, index)
 
     resources = runtime.connect(
         address, num_cpus_needed=spec.world_size * spec.scaling.cpus_per_worker
     )
     on_gpu = decide_gpu(spec, resources)
-    ds_config = resolve_ds_config(spec, on_gpu=on_gpu)
+    if on_gpu:
+        ds_config = resolve_ds_config(spec, on_gpu=True)
     _check_capacity(spec, resources, on_gpu)
 
     run_dir = spec.run_dir()
@@ -60,7 +72,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     worker_spec = spec.model_copy(deep=True)
     worker_spec.strategy.deepspeed_config = ds_config  # workers need no access to the driver's files
     loop_config = {
-        "spec": worker_spec.model_dump(mode="json", exclude_unset=True),
+        "spec": worker_spec.model_dump(mode="json"),
         "ds_config": ds_config,
         "on_gpu": on_gpu,
         "vocab_size": index.vocab_size,
@@ -70,7 +82,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
         "index": dataclasses.asdict(index),
     }
     job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
-    parts: list[dict[str, Any]] = []
+    parts: list[RunHistory] = []
     with ProgressBar(spec.run.steps, enabled=progress) as bar:
         while True:  # once, or again after each preemption (resuming from its checkpoint)
             reservation = _reserve(spec, on_gpu, job_id) if spec.placement.gang else None
@@ -91,7 +103,9 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
                     run_config=ray.train.RunConfig(
                         name=spec.name,
                         storage_path=str(run_dir.parent),
-                        failure_config=ray.train.FailureConfig(max_failures=spec.run.max_failures),
+                        failure_config=ray.train.FailureConfig(
+                            max_failures=spec.run.max_failures,
+                            controller_failure_limit=STARTUP_FAILURE_LIMIT),
                         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.checkpoint.keep),
                         callbacks=[bar.callback, *(callbacks or [])],
                         worker_runtime_env=_worker_env(),
@@ -104,21 +118,23 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
                 if reservation:
                     reservation.handoff()  # its accelerators go to the workers created now
                 result = trainer.fit()
-            except BaseException:
+            except BaseException as e:
                 if reservation:
                     reservation.release()
+                _raise_run_failed(spec, e, run_dir)
                 raise
             # A preempted job is already queued again (and may even have been granted its gang
             # anew): releasing it now would drop it from the queue.
-            if reservation and not result.return_value.get("preempted"):
+            part: RunHistory = result.return_value
+            if reservation and not part.preempted:
                 reservation.release()
-            parts.append({**result.return_value,
-                          "planned_nodes": reservation.plan.rank_node if reservation else None})
-            if not result.return_value.get("preempted"):
+            part.planned_nodes = reservation.plan.rank_node if reservation else None
+            parts.append(part)
+            if not part.preempted:
                 break
             log.warning("run %r was preempted at step %d (checkpointed); waiting for its gang again",
-                        spec.name, result.return_value["start_step"] + len(result.return_value["losses"]))
-    history = _merge(parts)
+                        spec.name, part.end_step)
+    history = RunHistory.merge(parts)
     checkpoint_uri = result.checkpoint.path if result.checkpoint else None
     return summarize(spec, history, index, ds_config, checkpoint_uri,
                      wall_s=time.perf_counter() - wall0, run_dir=run_dir)
@@ -138,11 +154,12 @@ def _worker_env() -> dict[str, Any] | None:
 def _reserve(spec: JobSpec, on_gpu: bool, job_id: str):
     """Wait for the job's gang: topology-aware, all or nothing, in priority order."""
     from raylib.placement import gang
+    from raylib.placement.planner import Parallelism
 
     p = spec.placement
     actor = gang.scheduler(resource="GPU" if on_gpu else "CPU")
     log.info("waiting for a gang of %d workers (priority %d)", spec.world_size, p.priority)
-    return gang.reserve(job_id, p.parallelism(spec.world_size),
+    return gang.reserve(job_id, Parallelism.of(spec),
                         priority=p.priority, tenant=p.tenant, timeout_s=p.timeout_s, actor=actor)
 
 
@@ -156,23 +173,43 @@ def _gang_handle(reservation, on_gpu: bool) -> dict[str, str] | None:
             "actor": f"{gang.ACTOR_NAME}-{'gpu' if on_gpu else 'cpu'}"}
 
 
-def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """One history from the fits of a run that was preempted and resumed."""
-    if len(parts) == 1:
-        return parts[0]
-    last = parts[-1]
-    merged = {**last, "start_step": parts[0]["start_step"], "preemptions": len(parts) - 1}
-    for key in ("losses", "step_times"):
-        merged[key] = [x for p in parts for x in p[key]]
-    for key in ("data_wait_s", "checkpoint_s", "loop_s"):
-        merged[key] = sum(p[key] for p in parts)
-    return merged
+def _raise_run_failed(spec: JobSpec, error: BaseException, run_dir: Path) -> None:
+    """After Ray Train gave up: one error that says how many failures happened, the last one,
+    and where the last good checkpoint is (rerunning the same command resumes from it)."""
+    from ray.train import ControllerError, WorkerGroupError
+
+    if isinstance(error, WorkerGroupError):
+        failures = f"{spec.run.max_failures + 1} worker-group failure(s) (run.max_failures=" \
+                   f"{spec.run.max_failures})"
+        causes = {f"rank {r}: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                  for r, e in sorted(error.worker_failures.items())}
+        cause = "; ".join(sorted(causes)[:2])
+    elif isinstance(error, ControllerError):
+        failures = "a controller failure"
+        cause = str(error.controller_failure).strip().splitlines()[0]
+    else:
+        return
+    raise RunFailed(
+        f"run {spec.name!r} failed after {failures}; last: {cause}. {last_checkpoint(spec, run_dir)}"
+    ) from error
 
 
-def _check_data_fits(spec: JobSpec, index) -> None:
-    from raylib.train.strategy import resolve_ds_config
+def last_checkpoint(spec: JobSpec, run_dir: Path) -> str:
+    """Where the newest checkpoint Ray Train recorded for this run is, in words."""
+    from raylib.checkpoint.checkpointer import POINTER
 
-    micro = resolve_ds_config(spec)["train_micro_batch_size_per_gpu"]
+    dirs = sorted(run_dir.glob("checkpoint_*"), key=lambda p: p.stat().st_mtime)
+    if not dirs:
+        return "No checkpoint was recorded: the run starts from step 0 when run again."
+    pointer = dirs[-1] / POINTER
+    if pointer.is_file():
+        p = json.loads(pointer.read_text())
+        return (f"The last good checkpoint is step {p['step']} (object store, persisted to "
+                f"{p['persist_url']}/{p['run']}); running the same job again resumes from it.")
+    return f"The last good checkpoint is {dirs[-1]}; running the same job again resumes from it."
+
+
+def _check_data_fits(spec: JobSpec, index, micro: int) -> None:
     per_rank = index.num_rows // spec.world_size
     if per_rank < micro:
         raise ValueError(

@@ -178,24 +178,17 @@ def _dataset_index(spec: JobSpec):
 
 def _portable(spec: JobSpec) -> dict[str, Any]:
     """The spec as a dict that trials can load anywhere: Tune runs each trial in its own working
-    directory, so local paths become absolute and a DeepSpeed JSON file is inlined."""
+    directory, so the (already absolute) data path is written out and a DeepSpeed JSON file is
+    inlined. Only explicit fields otherwise: a trial's overrides must not meet stale defaults."""
     from raylib.spec import load_json_or_path
 
     data = spec.model_dump(mode="json", exclude_unset=True)
     section = data.setdefault("data", {})
-    section["path"] = _absolute(spec.data.path)
+    section["path"] = spec.data.path
     section["manifest"] = None  # built by now
-    for tier in section.get("tiers", []):
-        tier["url"] = _absolute(tier["url"])
     if spec.strategy.deepspeed_config is not None:
         data["strategy"]["deepspeed_config"] = load_json_or_path(spec.strategy.deepspeed_config)
-    if spec.checkpoint.persist_url:
-        data["checkpoint"]["persist_url"] = _absolute(spec.checkpoint.persist_url)
     return data
-
-
-def _absolute(url: str) -> str:
-    return url if "://" in url else str(Path(url).expanduser().resolve())
 
 
 class TrialLog(Callback):

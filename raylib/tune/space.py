@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raylib.summary import WARMUP_STEPS
@@ -114,14 +113,12 @@ class TuneSpec(BaseModel):
     @classmethod
     def from_yaml(cls, path: str | Path | None, overrides: list[str] | None = None) -> TuneSpec:
         """A TuneSpec YAML (None: the defaults) with `key=value` overrides (values parsed as YAML)."""
+        from raylib.fileio import load_yaml_mapping
         from raylib.spec import SpecError, apply_override
 
         data: dict[str, Any] = {}
         if path is not None:
-            path = Path(path)
-            if not path.is_file():
-                raise SpecError(f"tune file {str(path)!r} not found")
-            data = yaml.safe_load(path.read_text()) or {}
+            data = load_yaml_mapping(path, "tune file", error=SpecError)
         for item in overrides or []:
             apply_override(data, item)
         try:
@@ -132,7 +129,7 @@ class TuneSpec(BaseModel):
             raise SpecError(f"{path or 'tune settings'}: {problems}") from None
 
     def budget_bytes(self) -> int | None:
-        from raylib.data.build import parse_size
+        from raylib.spec import parse_size
 
         return None if self.memory_budget is None else parse_size(self.memory_budget)
 

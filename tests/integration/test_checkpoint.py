@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import tempfile
 import threading
@@ -245,7 +246,7 @@ def job(dataset: str, out, name: str, **sections):
                      "optimizer": {"lr": 3e-3}, "lr_schedule": {"type": "constant"}},
         "scaling": {"num_workers": 2},
         "checkpoint": {"interval_steps": 2},
-        "run": {"steps": 4, "log_every": 2, "output_dir": str(out)},
+        "run": {"steps": 4, "log_every": 2, "output_dir": str(out), "verify": True},
     }
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value}
@@ -358,7 +359,8 @@ def test_killed_worker_resumes_exactly_then_on_one_worker(cluster, tiny_dataset,
     1. Uninterrupted, with an object store budget too small for any snapshot: each one is refused
        with a clear reason and written to persist_url by its rank instead; training goes on. Its
        loss curve is the reference (refusing a snapshot changes no numerics).
-    2. The same run, a worker SIGKILLed after the first complete checkpoint: Ray Train restarts the
+    2. The same run at the default run.max_failures, a worker SIGKILLed after the first complete
+       checkpoint: Ray Train restarts the
        worker group, the ranks load the newest snapshot from the keepers, and the loss curve from
        there on is the reference's, bit for bit (fp32 on CPU; the tiered data path resumes at the
        exact row).
@@ -381,8 +383,8 @@ def test_killed_worker_resumes_exactly_then_on_one_worker(cluster, tiny_dataset,
     killer = threading.Thread(target=kill_a_worker_after_a_checkpoint, args=(api, "chaos-", seen),
                               daemon=True)
     killer.start()
-    s = run(job(tiny_dataset, tmp_path, "chaos", data=data, run={"steps": steps, "max_failures": 1}),
-            progress=False).summary
+    # run.max_failures is left at its default: recovery needs no opt-in
+    s = run(job(tiny_dataset, tmp_path, "chaos", data=data, run={"steps": steps}), progress=False).summary
     killer.join(timeout=5)
 
     assert "killed_after" in seen, "the run ended before a worker could be killed"
@@ -407,6 +409,29 @@ def test_killed_worker_resumes_exactly_then_on_one_worker(cluster, tiny_dataset,
     assert one["checkpoint"]["restored_step"] == steps
     # The trained model came back bit for bit at the new world size (sha256 of the full parameters).
     assert one["restored_param_digest"] == s["param_digest"]
+
+
+def test_a_run_out_of_restarts_says_how_often_it_failed_and_where_to_resume(cluster, tiny_dataset, tmp_path):
+    """run.max_failures=0 and a SIGKILLed worker: the run ends with one RunFailed naming the
+    failure count and the last good checkpoint (the step and where it was persisted)."""
+    from raylib.train.trainer import RunFailed, run
+
+    _, _, api = cluster
+    seen: dict = {}
+    killer = threading.Thread(target=kill_a_worker_after_a_checkpoint, args=(api, "doomed-", seen),
+                              daemon=True)
+    killer.start()
+    with pytest.raises(RunFailed) as ei:
+        run(job(tiny_dataset, tmp_path, "doomed", run={"steps": 40, "max_failures": 0, "verify": False}),
+            progress=False)
+    killer.join(timeout=5)
+    message = str(ei.value)
+    assert "killed_after" in seen
+    assert "run 'doomed' failed after 1 worker-group failure(s) (run.max_failures=0)" in message
+    found = re.search(r"last good checkpoint is step (\d+) \(object store, persisted to (\S+)/", message)
+    step = int(found[1])
+    assert step % 2 == 0 and 2 <= step <= seen["killed_after"] + 2, (message, seen)
+    assert "running the same job again resumes from it" in message
 
 
 @pytest.mark.slow

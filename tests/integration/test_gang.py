@@ -166,7 +166,7 @@ def test_deepspeed_run_placed_through_the_gang_scheduler_survives_a_preemption(
         "strategy": {"zero_stage": 1, "micro_batch_size": 8},
         "scaling": {"num_workers": 2, "use_gpu": False},
         "placement": {"gang": True, "timeout_s": 300},
-        "run": {"steps": 40, "log_every": 2, "output_dir": str(tmp_path)},
+        "run": {"steps": 40, "log_every": 2, "output_dir": str(tmp_path), "verify": True},
     })
     gang = scheduler(resource="CPU")
     try:

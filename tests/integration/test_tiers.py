@@ -23,9 +23,9 @@ from raylib.data.tiers import (
     ShardMissing,
     TieredStore,
     TierFull,
-    TierSpec,
     shards_from_index,
 )
+from raylib.spec import TierSpec
 
 SIZE = 16 * 1024
 
@@ -367,7 +367,7 @@ def test_two_ranks_share_the_node_tiers_over_a_built_dataset_on_s3(s3_bucket, ti
     def rank_loop(rank: int) -> None:
         seq = rank_sequence(sorted(shards), seed=9, world_size=2, rank=rank, epochs=2, remainder="uneven")
         try:
-            with Prefetcher(store, seq, {"capacities": {"hot": hot_cap // 2}}) as pf:
+            with Prefetcher(store, seq, capacities={"hot": hot_cap // 2}) as pf:
                 for acc, path in pf:
                     assert sha(path) == shards[acc.shard].sha256
                     rows.setdefault(acc.epoch, []).append(pq.read_metadata(path).num_rows)
@@ -504,9 +504,9 @@ def test_prefetcher_rejects_bad_input_with_the_key_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"accesses\[0\].pos is 3: give the whole sequence"):
         Prefetcher(store, seq[3:])
     with pytest.raises(ValueError, match=r"capacities\['hot'\] = 100: must be between the largest shard"):
-        Prefetcher(store, seq, {"capacities": {"hot": 100}})
+        Prefetcher(store, seq, capacities={"hot": 100})
     with pytest.raises(ValueError, match=r"capacities: unknown tier\(s\) \['warm'\]"):
-        Prefetcher(store, seq, {"capacities": {"warm": 4 * SIZE}})
+        Prefetcher(store, seq, capacities={"warm": 4 * SIZE})
     with pytest.raises(ValueError, match="concurency"):
         Prefetcher(store, seq, {"concurency": 2})
     with Prefetcher(store, seq, start=4) as pf:  # resume: the rest of the sequence only

@@ -20,7 +20,7 @@ def tiny_spec(data_path: str, out, **sections) -> JobSpec:
         "strategy": {"zero_stage": 2, "micro_batch_size": 8,
                      "optimizer": {"lr": 3e-3}, "lr_schedule": {"type": "constant"}},
         "scaling": {"num_workers": 2},
-        "run": {"steps": 8, "log_every": 2, "output_dir": str(out)},
+        "run": {"steps": 8, "log_every": 2, "output_dir": str(out), "verify": True},
     }
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
@@ -79,3 +79,25 @@ def test_missing_dataset_without_manifest_is_a_clear_error(tmp_path, ray_local):
     spec = tiny_spec(str(tmp_path / "nope"), tmp_path)
     with pytest.raises(FileNotFoundError, match="raylib data build"):
         run(spec, progress=False)
+
+
+# The loss curve of this exact job, recorded at commit 8fcc7da (before the foundation redesign of
+# issue 11) with the same dataset build, seed and spec: a change that does not touch the
+# computation (refactors, the data path, checkpoints) must reproduce it bit for bit.
+GOLDEN_LOSSES = [5.780690431594849, 5.765311241149902, 5.801383972167969, 5.621769905090332,
+                 5.5298731327056885, 5.383354902267456]
+
+
+def test_loss_curve_is_unchanged_for_a_fixed_seed(tiny_dataset, tmp_path, ray_local):
+    from raylib import JobSpec
+    from raylib.train.trainer import run
+
+    spec = JobSpec.from_dict({
+        "name": "golden", "model": {"preset": "bert-tiny", "overrides": {"num_hidden_layers": 1}},
+        "data": {"path": tiny_dataset, "manifest": None,
+                 "tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "1MB"}]},
+        "strategy": {"zero_stage": 2, "micro_batch_size": 8, "optimizer": {"lr": 2e-3},
+                     "lr_schedule": {"type": "warmup_linear", "warmup_steps": 2}},
+        "scaling": {"num_workers": 2}, "checkpoint": {"interval_steps": 3},
+        "run": {"steps": 6, "log_every": 2, "output_dir": str(tmp_path / "runs")}})
+    assert run(spec, progress=False).summary["loss_curve"] == GOLDEN_LOSSES

@@ -20,12 +20,12 @@ from raylib.data.build import (
     build,
     is_built,
     pack_rows,
-    parse_size,
     read_index,
     train_tokenizer,
 )
 from raylib.data.corpus import BRANDS, KINDS, document
 from raylib.data.source import IGNORE_INDEX, MLMMasker
+from raylib.spec import parse_size
 
 pytestmark = pytest.mark.unit
 

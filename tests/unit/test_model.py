@@ -6,9 +6,8 @@ import math
 
 import pytest
 
-from raylib.spec import ModelSpec
+from raylib.spec import MODEL_PRESETS, ModelSpec
 from raylib.train.model import bert_config, build_model, count_parameters
-from raylib.train.presets import MODEL_PRESETS
 
 pytestmark = pytest.mark.unit
 

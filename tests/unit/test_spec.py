@@ -7,6 +7,7 @@ import yaml
 
 import raylib
 from raylib.spec import (
+    MODEL_PRESETS,
     CheckpointSpec,
     DataSpec,
     JobSpec,
@@ -19,14 +20,17 @@ from raylib.spec import (
     StrategySpec,
     apply_override,
 )
-from raylib.train.presets import MODEL_PRESETS
 
 pytestmark = pytest.mark.unit
 
 
 def spec_error(data: dict, source: str = "spec") -> str:
-    with pytest.raises(SpecError) as info:
-        JobSpec.from_dict(data, source=source)
+    """The error of the spec's validation: its schema (JobSpec), then the DeepSpeed resolution the
+    driver runs once before anything starts (what `raylib run --dry-run` runs too)."""
+    from raylib.train.strategy import resolve_ds_config
+
+    with pytest.raises(ValueError) as info:  # SpecError is a ValueError
+        resolve_ds_config(JobSpec.from_dict(data, source=source))
     return str(info.value)
 
 
@@ -418,9 +422,9 @@ def test_data_tiers_are_validated_and_cache_dirs_made_absolute(tmp_path, monkeyp
     assert hot.capacity == 64 * 2**20 and warm.capacity == 2**30
     assert warm.url == str(tmp_path / "cache" / "warm"), "workers do not share the driver's cwd"
     for tiers, fragment in [
-        ([{"name": "hot", "url": "/x", "capacity": 0}], "capacity must be positive"),
+        ([{"name": "hot", "url": "/x", "capacity": 0}], "capacity: Input should be greater than 0"),
         ([{"name": "hot", "url": "/x", "capacity": "lots"}], "capacity"),
-        ([{"name": "hot", "url": "/x"}], "data.tiers.0.capacity: Field required"),
+        ([{"name": "hot", "url": "/x"}], "tier 'hot': a cache tier needs a capacity"),
         ([{"name": "hot", "url": "s3://b/x", "capacity": 10}], "must be a node-local directory"),
         ([{"name": "hot", "url": "/a", "capacity": 10}, {"name": "hot", "url": "/b", "capacity": 10}],
          "tier names must be unique"),
@@ -447,3 +451,35 @@ def test_object_store_fields_without_in_memory_are_an_error():
     with pytest.raises(SpecError, match="persist_url, replicas apply to object-store checkpoints only"):
         JobSpec.from_dict({"checkpoint": {"in_memory": False, "replicas": 2, "persist_url": "s3://b/c"}})
     assert not JobSpec.from_dict({"checkpoint": {"in_memory": False, "keep": 3}}).checkpoint.in_memory
+
+
+def test_relative_local_paths_mean_the_submitting_directory_everywhere(tmp_path, monkeypatch):
+    """A relative data.path (and manifest, persist_url) resolves against the directory the job was
+    submitted from, and keeps that meaning when a worker with another cwd loads the spec."""
+    monkeypatch.chdir(tmp_path)
+    spec = JobSpec.from_dict({"data": {"path": ".raylib/data/x", "manifest": "datasets/m.yaml",
+                                       "tiers": [{"name": "hot", "url": "cache", "capacity": "1MB"}]},
+                              "checkpoint": {"persist_url": "ckpt"}})
+    assert spec.data.path == str(tmp_path / ".raylib/data/x")
+    assert spec.data.manifest == str(tmp_path / "datasets/m.yaml")
+    assert spec.checkpoint.persist_url == str(tmp_path / "ckpt")
+    assert JobSpec().data.path == str(tmp_path / ".raylib/data/ecommerce"), "the default too"
+    elsewhere = tmp_path / "worker-cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    again = JobSpec.model_validate(spec.model_dump(mode="json"))  # what a worker does
+    assert again.data.path == spec.data.path and again.data.tiers[0].url == str(tmp_path / "cache")
+    assert JobSpec.from_dict({"data": {"path": "s3://b/x"}}).data.path == "s3://b/x"
+
+
+def test_building_a_spec_imports_no_other_layer():
+    """spec.py is a leaf: pure schema. Loading and validating a job never imports DeepSpeed, Ray,
+    torch or raylib's train/data/placement layers (the DeepSpeed config is resolved once, later)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from raylib.spec import JobSpec; JobSpec.from_dict({'strategy': "
+            "{'global_batch_size': 32}}); print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('raylib', 'deepspeed', 'ray', 'torch')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['raylib', 'raylib.fileio', 'raylib.spec']"

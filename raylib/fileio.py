@@ -1,0 +1,60 @@
+"""File helpers every layer shares: YAML documents that must be mappings, and verified copies.
+
+A leaf: imports nothing of raylib, so the spec and the data and checkpoint layers can all use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import yaml
+
+CHUNK = 8 * 1024 * 1024
+
+
+class ChecksumError(RuntimeError):
+    """A copy (a cached shard, a persisted checkpoint file) does not match its recorded size and
+    sha256: it is corrupt or truncated, and was not served."""
+
+
+def load_yaml_mapping(path: str | Path, what: str, error: type[Exception] = ValueError) -> dict[str, Any]:
+    """The mapping in the YAML file `path` ({} when empty). `what` names the file in errors
+    ("config file", "dataset manifest" ...); `error` is the exception type raised."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{what} {str(path)!r} not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise error(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: the top level must be a mapping of sections ({what})")
+    return data
+
+
+def hashed_copy(src: BinaryIO, write: Callable[[Any], Any], limit: int | None = None) -> tuple[int, str]:
+    """Stream `src` into `write` in chunks, hashing on the way; returns (bytes, sha256 hex).
+    With `limit`, stops once more than `limit` bytes were read (the caller sees a size mismatch)
+    and never writes past it."""
+    digest, n = hashlib.sha256(), 0
+    while chunk := src.read(CHUNK):
+        n += len(chunk)
+        if limit is not None and n > limit:
+            break
+        digest.update(chunk)
+        write(chunk)
+    return n, digest.hexdigest()
+
+
+def hashed_write(view: memoryview, write: Callable[[Any], Any]) -> str:
+    """Write a bytes-like object in chunks, hashing on the way; returns its sha256 hex."""
+    view = memoryview(view).cast("B")
+    digest = hashlib.sha256()
+    for i in range(0, len(view), CHUNK):
+        chunk = view[i:i + CHUNK]
+        digest.update(chunk)
+        write(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,56 @@
+"""What a run's rank 0 returns to the driver: one typed record, so a new metric touches one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RunHistory:
+    start_step: int
+    """The step this fit resumed from (0: a fresh start)."""
+    global_batch: int
+    losses: list[float] = field(default_factory=list)
+    """Loss per optimizer step, mean over ranks."""
+    step_times: list[float] = field(default_factory=list)
+    """Seconds per optimizer step (rank 0)."""
+    data_wait_s: float = 0.0
+    """Seconds rank 0's loop waited for its next batch."""
+    checkpoint_s: float = 0.0
+    """Seconds rank 0's loop was blocked by checkpoints."""
+    loop_s: float = 0.0
+    rank_nodes: list[str] = field(default_factory=list)
+    """The Ray node of each rank."""
+    param_digests: list[str] | None = None
+    """run.verify: sha256 of the full parameters at the end, per rank."""
+    restored_param_digest: str | None = None
+    """run.verify: sha256 of the parameters right after a restore."""
+    data_ranks: list[dict[str, Any]] | None = None
+    """Each rank's tiered-pipeline metrics (None without tiers)."""
+    data_timeline: list[dict[str, Any]] | None = None
+    checkpoint: dict[str, Any] | None = None
+    """The checkpointer's metrics (snapshots, blocked time, restore ...)."""
+    preempted: bool = False
+    """This fit stopped because the gang scheduler asked for its accelerators back."""
+    preemptions: int = 0
+    planned_nodes: list[str] | None = None
+    """Where the gang scheduler planned each rank (None without placement.gang)."""
+
+    @property
+    def end_step(self) -> int:
+        return self.start_step + len(self.losses)
+
+    @classmethod
+    def merge(cls, parts: list[RunHistory]) -> RunHistory:
+        """One history from the fits of a run that was preempted and resumed."""
+        if len(parts) == 1:
+            return parts[0]
+        return dataclasses.replace(
+            parts[-1], start_step=parts[0].start_step, preemptions=len(parts) - 1,
+            losses=[x for p in parts for x in p.losses],
+            step_times=[x for p in parts for x in p.step_times],
+            data_wait_s=sum(p.data_wait_s for p in parts),
+            checkpoint_s=sum(p.checkpoint_s for p in parts),
+            loop_s=sum(p.loop_s for p in parts))

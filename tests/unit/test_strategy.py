@@ -134,11 +134,13 @@ def test_adam_family(kind, ds_type):
     cfg = ds({"optimizer": {"type": kind, "lr": 0.003, "betas": [0.8, 0.95], "eps": 1e-6,
                             "weight_decay": 0.1}})
     assert cfg["optimizer"] == {"type": ds_type, "params": {
-        "lr": 0.003, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1, "torch_adam": True}}
+        "lr": 0.003, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1, "torch_adam": True,
+        "fused": True}}
 
 
 def test_sgd_has_only_sgd_params():
-    cfg = ds({"optimizer": {"type": "sgd", "lr": 0.1, "weight_decay": 0.0}})
+    # zero_stage 0: DeepSpeed's ZeRO refuses SGD unless zero_allow_untested_optimizer is set
+    cfg = ds({"optimizer": {"type": "sgd", "lr": 0.1, "weight_decay": 0.0}, "zero_stage": 0})
     assert cfg["optimizer"] == {"type": "SGD", "params": {"lr": 0.1, "weight_decay": 0.0}}
     import torch
 
@@ -536,7 +538,8 @@ def test_non_mapping_deepspeed_sections_are_spec_errors(user):
 def test_user_sgd_optimizer_gets_no_adam_params():
     import torch
 
-    cfg = ds({"deepspeed_config": {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}})
+    cfg = ds({"zero_stage": 0,  # DeepSpeed's ZeRO refuses SGD (see test_sgd_has_only_sgd_params)
+              "deepspeed_config": {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}})
     allowed = set(inspect.signature(torch.optim.SGD).parameters)
     assert set(cfg["optimizer"]["params"]) <= allowed
 

@@ -63,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(argv[2:])
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # raylib's own INFO lines say what is starting; other libraries' (botocore, matplotlib ...) are
+    # shown from WARNING up
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("raylib").setLevel(logging.INFO)
     try:
         if args.command == "run":
             return _run(args)
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    _driver_accelerator()
     from raylib.spec import JobSpec, SpecError
     from raylib.train.strategy import resolve_ds_config
 
@@ -109,7 +113,30 @@ def _run(args) -> int:
         return 130
     print(result.table())
     print(f"summary: {result.run_dir / 'summary.json'}")
+    print(f"logs: {result.run_dir / 'logs'} (per rank){_ray_logs()}")
     return 0
+
+
+def _driver_accelerator() -> None:
+    """The driver imports DeepSpeed only to resolve and check configs. Without a GPU here, its
+    auto-detection picks the CPU accelerator with a warning on the console; name that choice
+    up front instead (DS_ACCELERATOR, DeepSpeed's own switch; an explicit setting wins)."""
+    if "DS_ACCELERATOR" in os.environ:
+        return
+    import torch
+
+    if not (torch.cuda.device_count() > 0 and torch.cuda.is_available()):
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def _ray_logs() -> str:
+    """Where this machine's Ray session keeps its logs (workers' stdout/stderr, Ray Train's)."""
+    try:
+        import ray
+
+        return f"; Ray's logs: {ray._private.worker._global_node.get_logs_dir_path()}"
+    except Exception:  # not connected, or a Ray client connection
+        return ""
 
 
 def _embedded_s3(args, spec):

@@ -46,6 +46,11 @@ def connect(
     }
     if address:
         log.info("joining the Ray cluster at %s", address)
+        # the State API Train's placement-group cleaner asks must be this cluster's (see below)
+        api_server = _api_server_of(address)
+        if api_server:
+            kwargs["runtime_env"] = {**(runtime_env or {}), "env_vars": {
+                "RAY_API_SERVER_ADDRESS": api_server, **(runtime_env or {}).get("env_vars", {})}}
         ray.init(address=address, **kwargs)
     else:
         num_cpus = max(os.cpu_count() or 1, int(num_cpus_needed + 0.999) + DATA_CPU_HEADROOM)
@@ -64,6 +69,9 @@ def connect(
             "env_vars": {"RAY_API_SERVER_ADDRESS": api_server,
                          **(runtime_env or {}).get("env_vars", {})},
         }
+        # raylib starts this cluster for the user: Ray's note that token auth is on (it stays on)
+        # is not theirs to act on
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         with _daemons_ignore_sigint():
             ray.init(
                 address="local",
@@ -101,19 +109,47 @@ def restore_sigint() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def resource_holders(resource: str = "CPU") -> str:
+    """Who holds `resource` in the connected cluster, in words: every live placement group asking
+    for it, with its job's driver (pid, command, alive or not), and what is still available."""
+    import ray
+    from ray._private.state import jobs
+
+    drivers = {j["JobID"]: j for j in jobs()}
+    held = []
+    for pg_id, pg in ray.util.placement_group_table().items():
+        amount = sum(b.get(resource, 0) for b in pg["bundles"].values())
+        if pg["state"] in ("CREATED", "RESCHEDULING") and amount:
+            job = drivers.get(pg_id[-8:], {})
+            who = (f"job {pg_id[-8:]} (driver pid {job.get('DriverPid')}, "
+                   f"{'finished' if job.get('IsDead') else 'running'}: {job.get('Entrypoint', '?')!r})"
+                   if job else f"job {pg_id[-8:]}")
+            held.append(f"placement group {pg.get('name') or pg_id} holds {amount:g} {resource} for {who}")
+    free = ray.available_resources().get(resource, 0)
+    return "; ".join(held or [f"no placement group holds {resource}"]) + \
+        f"; {free:g} of {ray.cluster_resources().get(resource, 0):g} {resource} available"
+
+
+def _api_server_of(address: str) -> str | None:
+    """The dashboard (State API) URL of the cluster at `address`; None for a Ray Client address
+    (its jobs run on the cluster, whose own default is right) or when it cannot be found."""
+    if address.startswith("ray://") or os.environ.get("RAY_API_SERVER_ADDRESS"):
+        return None
+    try:
+        from ray.dashboard.utils import ray_address_to_api_server_url
+
+        return ray_address_to_api_server_url(address)
+    except Exception as e:  # no dashboard: Train's cleaner falls back to its own lookup
+        log.debug("no State API address for %s: %s", address, e)
+        return None
+
+
 def _free_port() -> int:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def disconnect() -> None:
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
 
 
 # -- Ctrl-C / kernel interrupt -------------------------------------------------------------------

@@ -171,16 +171,29 @@ class DataSpec(_Section):
     prefetch_batches: int = Field(4, ge=1)
     """Micro-batches each rank prepares ahead of the training step (read, decode, mask): the
     data-loader parallelism that hides input latency (autotuned by `raylib tune`)."""
+    reader: Literal["rank", "ray_data"] = "rank"
+    """rank: every rank reads its own planned shard order through a prefetcher, in a thread of
+    its process (through `tiers`, or without them through one implicit cache tier in the node's
+    temp dir holding a few shards per rank). ray_data: Ray Data's read_parquet, split across the
+    ranks; it needs spare cores (its tasks compete with training) and is what a resume at another
+    world size reads with (a rank's planned order depends on the world size)."""
     tiers: list[TierSpec] = Field(default_factory=list)
     """Local cache tiers in front of `path`, fastest first (hot, then warm); `path` is the cold
-    tier. Empty: read `path` directly. With tiers, every rank reads its planned shard order
-    through a prefetcher that plans promotion/eviction from the known future."""
+    tier. Every rank reads its planned shard order through a prefetcher that plans promotion and
+    eviction from the known future (Belady)."""
     prefetch: PrefetchSpec = Field(default_factory=PrefetchSpec)
 
     @field_validator("path", "manifest")
     @classmethod
     def _resolved(cls, v: str | None) -> str | None:
         return None if v is None else resolve_local(v)
+
+    @model_validator(mode="after")
+    def _reader_tiers(self) -> DataSpec:
+        if self.reader == "ray_data" and self.tiers:
+            raise ValueError("data.tiers are read by the rank reader: set data.reader: rank, or "
+                             "remove data.tiers to read with Ray Data")
+        return self
 
     @field_validator("tiers")
     @classmethod
@@ -237,7 +250,10 @@ class StrategySpec(_Section):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     lr_schedule: LRScheduleSpec = Field(default_factory=LRScheduleSpec)
     reduce_bucket_size: int = Field(50_000_000, ge=1)
+    """Elements per gradient reduction bucket (ZeRO >= 1). A tenth of DeepSpeed's default: ZeRO
+    allocates a buffer of this many elements (a GPU holds it, 2 GB fp32 at 5e8)."""
     allgather_bucket_size: int = Field(50_000_000, ge=1)
+    """Elements per parameter all-gather bucket (ZeRO 1/2)."""
     overlap_comm: bool = False
     deepspeed_config: str | dict[str, Any] | None = None
     """A native DeepSpeed JSON config (path or dict). It is the base of the effective config;

@@ -45,9 +45,6 @@ WORKING_DIR_EXCLUDES = [
     ".ruff_cache", "bench/results", ".ipynb_checkpoints",
 ]
 """Never uploaded with the working dir (virtualenvs, run outputs, built data, caches)."""
-S3_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-               "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION")
-"""The S3 settings a job usually needs; pass each one with `--env NAME`."""
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 SUMMARY_LINE = re.compile(r"^summary: (?P<path>\S.*)$", re.MULTILINE)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

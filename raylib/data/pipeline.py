@@ -58,6 +58,29 @@ def tiered_store(spec: JobSpec, index: DatasetIndex) -> TieredStore:
     return TieredStore(tiers, shards_from_index(index))
 
 
+IMPLICIT_TIER_SHARDS = 8  # shards per rank the implicit cache tier holds: the prefetch window
+
+
+def with_reader_tiers(spec: JobSpec, index: DatasetIndex) -> JobSpec:
+    """`spec` as the workers run it: the rank reader without tiers reads through one implicit
+    cache tier in the node's temp dir (a prefetch window of a few shards per rank), so reading,
+    decoding and masking overlap the step in the rank's own thread instead of in Ray Data tasks
+    that compete with training for the cores."""
+    if spec.data.reader != "rank" or spec.data.tiers:
+        return spec
+    import tempfile
+
+    from raylib.spec import TierSpec
+
+    sharing = min(spec.world_size, spec.placement.ranks_per_node or spec.world_size)
+    largest = max(int(s["bytes"]) for s in index.shards)
+    tier = TierSpec(name="local", url=os.path.join(tempfile.gettempdir(), "raylib-cache"),
+                    capacity=largest * IMPLICIT_TIER_SHARDS * sharing)
+    spec = spec.model_copy(deep=True)
+    spec.data.tiers = [tier]
+    return spec
+
+
 def check_tiers(spec: JobSpec, index: DatasetIndex) -> None:
     """Reject tier capacities that cannot work, before any cluster resource is reserved."""
     if not spec.data.tiers:

@@ -1,13 +1,14 @@
-"""The trainer's one data interface: built parquet shards -> a Ray Dataset of masked-LM batches.
+"""The Ray Data path (no data.tiers): built parquet shards -> a Ray Dataset of masked-LM batches.
 
-`training_dataset(spec)` is the seam that the tiered store / prefetch pipeline replaces later:
-the trainer only sees a Ray Dataset with `input_ids`, `labels` and `attention_mask` columns.
+`training_dataset(spec)` is the Dataset that Ray Train splits across the workers, with
+`input_ids`, `labels` and `attention_mask` columns. (With tiers, every rank reads its planned
+shards itself: raylib.data.pipeline.)
 """
 
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -55,13 +56,24 @@ class MLMMasker:
 
 
 def training_dataset(spec: JobSpec, index: DatasetIndex | None = None) -> ray.data.Dataset:
-    """The Ray Dataset that Ray Train splits across the workers."""
+    """The Ray Dataset that Ray Train splits across the workers.
+
+    Ray Data reads a sample of the shards' footers here, on the driver: when that fails, the
+    shards are checked against index.json and the error names the bad one and the fix, instead
+    of pyarrow's anonymous "Parquet magic bytes not found in footer"."""
+    import pyarrow as pa
     import ray.data
 
     index = index or read_index(spec.data.path)
     ray.data.DataContext.get_current().enable_progress_bars = False  # the trainer shows progress
     paths, filesystem = _arrow_paths(index)
-    ds = ray.data.read_parquet(paths, filesystem=filesystem)
+    try:
+        ds = ray.data.read_parquet(paths, filesystem=filesystem)
+    except (OSError, pa.ArrowInvalid) as e:
+        problems = shard_problems(index, spec.data.storage_options, footers=True)
+        if problems:
+            raise CorruptShard(corrupt_shard_message(index.url, problems, spec.data.manifest)) from e
+        raise
     ds = ds.randomize_block_order(seed=spec.data.shuffle_seed)
     masker = MLMMasker(index, spec.data.mlm_probability, seed=spec.run.seed)
     return ds.map_batches(masker, batch_format="numpy")
@@ -77,3 +89,61 @@ def _arrow_paths(index: DatasetIndex):
     fs, root = fsspec.core.url_to_fs(index.url)
     paths = [f"{root.rstrip('/')}/{s['path']}" for s in index.shards]
     return paths, None if isinstance(fs, LocalFileSystem) else PyFileSystem(FSSpecHandler(fs))
+
+
+# -- shards that do not match index.json ---------------------------------------------------------
+
+
+class CorruptShard(ValueError):
+    """A shard that does not match the dataset's index.json (missing, truncated, not parquet)."""
+
+
+def shard_problems(index: DatasetIndex, storage_options: dict[str, Any] | None = None,
+                   footers: bool = False) -> list[str]:
+    """What is wrong with the shards of `index`, one phrase per bad shard ([] when all is well).
+
+    Sizes come from one listing of the dataset's directory, compared with the bytes index.json
+    recorded at build time (no reads, no hashing). footers=True also reads each shard's last 4
+    bytes (parquet's trailing magic): one small ranged read per shard, for diagnosing a failure."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(index.url, **dict(storage_options or {}))
+    root = root.rstrip("/")
+    fs.invalidate_cache(root)
+    sizes = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in fs.ls(root, detail=True)}
+    problems = []
+    for shard in index.shards:
+        name, want = shard["path"], shard.get("bytes")
+        size = sizes.get(name) if "/" not in name else _size(fs, f"{root}/{name}")
+        if size is None:
+            problems.append(f"shard {name} is missing")
+        elif want is not None and size != want:
+            problems.append(f"shard {name} is {size} bytes but index.json records {want} "
+                            "(truncated or overwritten)")
+        elif footers and _tail(fs, f"{root}/{name}", size) != PARQUET_MAGIC:
+            problems.append(f"shard {name} has no parquet footer (corrupt)")
+    return problems
+
+
+def corrupt_shard_message(url: str, problems: list[str], manifest: str | None) -> str:
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return (f"data.path {url!r}: {problems[0]}{more}; rebuild the dataset with "
+            f"`raylib data build {manifest or 'MANIFEST'} --out {url} --force`")
+
+
+PARQUET_MAGIC = b"PAR1"
+
+
+def _size(fs, path: str) -> int | None:
+    try:
+        return fs.size(path)
+    except FileNotFoundError:
+        return None
+
+
+def _tail(fs, path: str, size: int) -> bytes:
+    if size < 8:
+        return b""
+    with fs.open(path, "rb") as f:
+        f.seek(size - 4)
+        return f.read(4)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 import os
 import time
 import warnings
@@ -13,6 +12,7 @@ from typing import Any
 
 from raylib.train import checkpointing
 from raylib.train.history import RunHistory
+from raylib.train.progress import worker_logs
 
 
 def worker_loop(config: dict[str, Any]) -> RunHistory | None:
@@ -22,7 +22,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_gpu else "cpu")
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed deprecations, per step
-    logging.getLogger("ray.train").setLevel(logging.WARNING)  # one line per report otherwise
+    worker_logs(config["run_dir"])  # this rank's logging and print() also go to <run dir>/logs/
 
     import deepspeed
     import ray
@@ -88,7 +88,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
 
         done = step + 1
         metrics = {"step": done, "loss": losses[-1], "lr": engine.get_lr()[0],
-                   "samples_per_s": global_batch / step_times[-1]}
+                   "samples_per_s": global_batch / step_times[-1],
+                   "data_wait_fraction": data_wait / (time.perf_counter() - loop_start)}
         # a preempted job checkpoints here and stops; the driver waits for its gang again
         preempted = preempt_probe is not None and done < spec.run.steps and \
             done % spec.run.log_every == 0 and preempt_probe()

@@ -1,61 +1,244 @@
-"""Live progress on the driver from the workers' reports.
+"""What a run shows on the console, and where the rest of its output goes.
 
-Ray Train V2 calls user callbacks in its controller actor, not in the driver, so the callback
-forwards rank 0's metrics through a Ray queue that a driver thread drains into a tqdm bar.
+The console is the driver's alone (`raylib.run` connects with log_to_driver=False): what is
+starting, one progress bar (steps, loss, samples/s, data wait), the warnings that matter (a rank
+failing, a restart, a preemption) and the summary. Everything the workers log or print stays in
+Ray's session logs and, per rank, in <run dir>/logs/rank-N.log (`worker_logs`).
+
+Ray Train V2 calls callbacks in its controller actor, not in the driver: `RunForwarder` puts rank
+0's reports and the controller's restarts / preemptions / rescheduling on a Ray queue, which a
+driver thread drains into the bar and into warnings printed above it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import queue as std_queue
 import threading
+from pathlib import Path
 from typing import Any
 
-from ray.train import UserCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback
 from ray.util.queue import Empty, Queue
 
+log = logging.getLogger(__name__)
 
-class ReportForwarder(UserCallback):
+RUN_LOG_HANDLER = "raylib-run-log"
+
+
+class RunForwarder(ReportCallback, ControllerCallback):
+    """Runs in the Ray Train controller: forwards reports and the run's failures to the driver.
+
+    Never raises (a failing callback would fail the run) and never blocks the controller's loop:
+    each event is one fire-and-forget call to the queue actor."""
+
     def __init__(self, reports: Queue):
         self.reports = reports
+        self.max_failures = 0
+        self.failures = 0
 
-    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        self.reports.put_nowait({**metrics[0], "checkpoint": checkpoint is not None})
+    def _send(self, event: dict[str, Any]) -> None:
+        try:
+            self.reports.actor.put_nowait.remote(event)
+        except Exception:  # the driver is gone: nobody to tell
+            pass
+
+    def after_controller_start(self, train_run_context) -> None:
+        with contextlib.suppress(Exception):
+            self.max_failures = train_run_context.run_config.failure_config.max_failures
+
+    def after_report(self, training_report, metrics: list[dict[str, Any]]) -> None:
+        self._send({**metrics[0], "event": "report",
+                    "checkpoint": training_report.checkpoint is not None})
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        try:
+            event = self._event(previous_state, current_state)
+        except Exception:
+            return
+        if event:
+            self._send(event)
+
+    def _event(self, previous_state, current_state) -> dict[str, Any] | None:
+        from ray.train.v2._internal.execution.controller.state import (
+            PreemptingState,
+            ReschedulingState,
+            RestartingState,
+        )
+
+        if isinstance(current_state, PreemptingState) and not isinstance(previous_state, PreemptingState):
+            info = current_state.preemption_info
+            return {"event": "preempting", "nodes": list(info.preempted_node_ids),
+                    "ranks": list(info.preempted_ranks)}
+        if isinstance(current_state, RestartingState):
+            self.failures += 1
+            return {"event": "restart", "error": describe_failure(current_state.training_failed_error),
+                    "failures": self.failures, "max_failures": self.max_failures}
+        if isinstance(current_state, ReschedulingState):
+            return {"event": "reschedule", "error": describe_failure(current_state.training_failed_error)}
+        return None
+
+
+def describe_failure(error: BaseException | None) -> str:
+    """One line for a Ray Train failure: which rank(s) failed, and what happened to each."""
+    if error is None:
+        return "unknown failure"
+    ranks = getattr(error, "worker_failures", None)
+    if ranks:
+        parts = [f"rank {r} failed: {_last_line(e)}" for r, e in sorted(ranks.items())]
+        return "; ".join(parts[:2]) + (f" (and {len(parts) - 2} more)" if len(parts) > 2 else "")
+    info = getattr(error, "preemption_info", None)
+    if info is not None:
+        return f"ranks {list(info.preempted_ranks)} were preempted"
+    cause = getattr(error, "controller_failure", None)
+    return _last_line(cause if cause is not None else error)
+
+
+def _last_line(e: BaseException, width: int = 200) -> str:
+    """The line of an error that says what happened: a traceback's last line ("ValueError: ..."),
+    else the first line (an ActorDiedError's "The actor died unexpectedly ...")."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    name = type(e).__name__
+    if not lines:
+        return name
+    text = lines[-1] if any(ln.startswith("Traceback") for ln in lines) else lines[0]
+    if not (text.startswith(name) or ": " in text[:60]):
+        text = f"{name}: {text}"
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def describe_event(m: dict[str, Any]) -> str:
+    """The console warning for a forwarded controller event."""
+    if m["event"] == "restart":
+        limit = "unlimited" if m["max_failures"] == -1 else f"at most {m['max_failures']}"
+        return (f"{m['error']}; restarting the workers from the latest checkpoint "
+                f"(failure {m['failures']}, {limit} allowed by run.max_failures)")
+    if m["event"] == "preempting":
+        return (f"node(s) {', '.join(n[:12] for n in m['nodes'])} are being preempted (ranks "
+                f"{m['ranks']}); the run restarts from its latest checkpoint once they are gone")
+    if m["event"] == "reschedule":
+        return f"the workers could not start ({m['error']}); Ray Train tries again"
+    return str(m)
 
 
 class ProgressBar:
-    """`with ProgressBar(total) as bar: trainer = TorchTrainer(..., callbacks=[bar.callback])`."""
+    """`with ProgressBar(total) as bar: trainer = TorchTrainer(..., callbacks=[bar.callback])`.
+
+    With enabled=False there is no bar, but the warnings still reach the console."""
 
     def __init__(self, total_steps: int, enabled: bool = True, desc: str = "train"):
         self.total, self.enabled, self.desc = total_steps, enabled, desc
         self.last: dict[str, Any] = {}
+        self.events: list[dict[str, Any]] = []
 
     def __enter__(self) -> ProgressBar:
         from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
         self._reports = Queue(actor_options={"num_cpus": 0})
-        self.callback = ReportForwarder(self._reports)
+        self.callback = RunForwarder(self._reports)
         self._bar = tqdm(total=self.total, desc=self.desc, unit="step", disable=not self.enabled)
+        # log lines (raylib's "training ...", the warnings below) print above the bar, not into it
+        self._redirect = logging_redirect_tqdm(tqdm_class=tqdm) if self.enabled else contextlib.nullcontext()
+        self._redirect.__enter__()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drain, daemon=True, name="raylib-progress")
         self._thread.start()
         return self
 
     def _drain(self) -> None:
-        while not self._stop.is_set():
+        while True:
             try:
                 m = self._reports.get(timeout=0.5)
             except (Empty, std_queue.Empty):
+                if self._stop.is_set():
+                    return  # everything sent before the run ended has been shown
                 continue
             except Exception:  # the queue actor is gone: the run is over
                 return
-            self.last = m
-            self._bar.update(max(0, m["step"] - self._bar.n))
-            self._bar.set_postfix(loss=f"{m['loss']:.3f}", refresh=True)
+            self.show(m)
+
+    def show(self, m: dict[str, Any]) -> None:
+        """Apply one forwarded event: a report moves the bar, anything else is a warning."""
+        if m.get("event", "report") != "report":
+            self.events.append(m)
+            log.warning("%s", describe_event(m))
+            return
+        self.last = m
+        self._bar.update(max(0, m["step"] - self._bar.n))
+        self._bar.set_postfix_str(postfix(m), refresh=True)
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
         self._bar.close()
+        self._redirect.__exit__(None, None, None)
         import ray
 
-        ray.kill(self._reports.actor)
+        with contextlib.suppress(Exception):
+            ray.kill(self._reports.actor)
+
+
+def postfix(m: dict[str, Any]) -> str:
+    """The bar's text after the counter: loss, throughput and how much of the time the training
+    loop has waited for data so far."""
+    parts = [f"loss {m['loss']:.3f}"]
+    if m.get("samples_per_s") is not None:
+        parts.append(f"{m['samples_per_s']:.0f} samples/s")
+    if m.get("data_wait_fraction") is not None:
+        parts.append(f"data wait {m['data_wait_fraction']:.0%}")
+    return ", ".join(parts)
+
+
+# -- in the workers ------------------------------------------------------------------------------
+
+
+class _QuietRayTrain(logging.Filter):
+    """ray.train's INFO records (one per report per rank) stay in Ray's own log files."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.name.startswith("ray.train")
+
+
+def worker_logs(run_dir: str | Path) -> Path:
+    """In a training worker: this process's logging also goes to <run_dir>/logs/rank-<rank>.log
+    (root logger, which Ray Train also routes print() to; DeepSpeed's and ray.train's loggers,
+    which do not propagate; Python warnings). Appends: a restart or a resumed run continues the
+    file. Calling it again in the same process replaces the handler. Returns the file's path.
+    (The run directory is where Ray Train stores the run, so every node can write it.)"""
+    import ray
+    import ray.train
+
+    rank = ray.train.get_context().get_world_rank()
+    path = Path(run_dir) / "logs" / f"rank-{rank}.log"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path)
+    except OSError as e:  # a node that cannot write the run directory still trains (Ray's logs remain)
+        log.warning("rank %d: no log file in the run directory (%s); its logs are in Ray's only", rank, e)
+        return path
+    handler.set_name(RUN_LOG_HANDLER)
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(_QuietRayTrain())
+    for name in ("", "ray.train", "DeepSpeed"):
+        logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if h.get_name() == RUN_LOG_HANDLER]:
+            logger.removeHandler(old)
+            old.close()
+        logger.addHandler(handler)
+    logging.captureWarnings(True)
+    # Ray 2.60 names the logger of its "Reporting training result ..." line (one per report per
+    # rank) after its source file, so neither ray.train's level nor Train's LoggingConfig reach it
+    with contextlib.suppress(ImportError):
+        from ray.train.v2._internal.execution import context as train_context
+
+        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
+    ray_logs = "?"
+    with contextlib.suppress(Exception):
+        ray_logs = ray._private.worker.global_worker.node.get_logs_dir_path()
+    log.info("rank %d started (pid %d, node %s); this process's stdout/stderr: Ray's logs in %s",
+             rank, os.getpid(), ray.get_runtime_context().get_node_id()[:12], ray_logs)
+    return path

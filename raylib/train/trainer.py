@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 # Bounded retries of a worker group that cannot start (its resources held elsewhere): Ray Train
 # retries those without limit by default, which hangs a run silently.
 STARTUP_FAILURE_LIMIT = 2
+PREEMPTION_LIMIT = 10  # node preemptions (spot reclaims) a run rides out; Ray's default: no limit
 
 
 class RunFailed(RuntimeError):
@@ -34,9 +35,9 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raylib import runtime
+    from raylib import preflight, runtime
     from raylib.data.build import DatasetManifest, build, is_built, read_index
-    from raylib.data.pipeline import check_tiers
+    from raylib.data.pipeline import check_tiers, with_reader_tiers
     from raylib.data.source import training_dataset
     from raylib.train.loop import worker_loop
     from raylib.train.progress import ProgressBar
@@ -44,6 +45,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
 
     wall0 = time.perf_counter()
     # Everything that can be checked without a cluster is checked first.
+    preflight.check_storage(spec)  # an unreachable object store: one line, not botocore's retries
     if not is_built(spec.data.path):
         if spec.data.manifest is None:
             raise FileNotFoundError(
@@ -54,10 +56,14 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     index = read_index(spec.data.path)
     ds_config = resolve_ds_config(spec)  # the one resolution (CPU shape; GPU adjusts the optimizer)
     _check_data_fits(spec, index, ds_config["train_micro_batch_size_per_gpu"])
+    user_spec, spec = spec, with_reader_tiers(spec, index)  # the workers run the second
     check_tiers(spec, index)
+    preflight.check(spec, index, address)  # shard sizes vs index.json; embedded oversubscription
 
+    # The console shows the driver only (progress bar, raylib's warnings, the summary); worker
+    # output stays in Ray's session logs and <run dir>/logs.
     resources = runtime.connect(
-        address, num_cpus_needed=spec.world_size * spec.scaling.cpus_per_worker
+        address, num_cpus_needed=spec.world_size * spec.scaling.cpus_per_worker, log_to_driver=False
     )
     on_gpu = decide_gpu(spec, resources)
     if on_gpu:
@@ -66,7 +72,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
 
     run_dir = spec.run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "spec.yaml").write_text(spec.to_yaml())
+    (run_dir / "spec.yaml").write_text(user_spec.to_yaml())
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
 
     worker_spec = spec.model_copy(deep=True)
@@ -105,8 +111,11 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
                         storage_path=str(run_dir.parent),
                         failure_config=ray.train.FailureConfig(
                             max_failures=spec.run.max_failures,
-                            controller_failure_limit=STARTUP_FAILURE_LIMIT),
+                            controller_failure_limit=STARTUP_FAILURE_LIMIT,
+                            max_preemption_failures=PREEMPTION_LIMIT),
                         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.checkpoint.keep),
+                        # ray.train's INFO lines (one per report per rank) stay in Ray's log files
+                        logging_config=ray.train.LoggingConfig(log_level="WARNING"),
                         callbacks=[bar.callback, *(callbacks or [])],
                         worker_runtime_env=_worker_env(),
                     ),
@@ -185,8 +194,17 @@ def _raise_run_failed(spec: JobSpec, error: BaseException, run_dir: Path) -> Non
                   for r, e in sorted(error.worker_failures.items())}
         cause = "; ".join(sorted(causes)[:2])
     elif isinstance(error, ControllerError):
-        failures = "a controller failure"
+        from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+
+        from raylib.runtime import resource_holders
+
+        failures = f"{STARTUP_FAILURE_LIMIT + 1} controller failure(s)"
         cause = str(error.controller_failure).strip().splitlines()[0]
+        if isinstance(error.controller_failure, WorkerGroupStartupTimeoutError):
+            failures = f"{STARTUP_FAILURE_LIMIT + 1} attempts to start its worker group"
+            cause = (f"{spec.world_size} workers x {spec.scaling.cpus_per_worker:g} CPU could not be placed; "
+                     f"{resource_holders('GPU' if spec.scaling.use_gpu is True else 'CPU')}. "
+                     "Free those resources (stop that job, or remove its placement group) or add nodes")
     else:
         return
     raise RunFailed(

@@ -400,10 +400,10 @@ def test_killed_worker_resumes_exactly_then_on_one_worker(cluster, tiny_dataset,
     assert not ckpt["persist_errors"] and ckpt["bytes_per_snapshot"] > 1e6
     assert complete_in_memory("chaos-") == [], "a finished run leaves nothing in the object store"
 
-    # Same run name: Ray Train's pointer leads to it. No tiers: their data order depends on the
-    # world size, so the loop refuses to continue a tiered stream at another size.
-    one = run(job(tiny_dataset, tmp_path, "chaos", scaling={"num_workers": 1}, run={"steps": steps + 1}),
-              progress=False).summary
+    # Same run name: Ray Train's pointer leads to it. Read with Ray Data: a rank's planned order
+    # depends on the world size, so the loop refuses to continue a rank reader at another size.
+    one = run(job(tiny_dataset, tmp_path, "chaos", scaling={"num_workers": 1}, run={"steps": steps + 1},
+                  data={"reader": "ray_data"}), progress=False).summary
     assert one["world_size"] == 1 and one["start_step"] == steps and len(one["loss_curve"]) == 1
     assert one["checkpoint"]["restore_source"] == "persisted", one["checkpoint"]
     assert one["checkpoint"]["restored_step"] == steps
@@ -443,7 +443,8 @@ def test_zero3_resumes_on_fewer_workers_via_universal_checkpoint(cluster, tiny_d
 
     spec = {"strategy": {"zero_stage": 3}}
     data = {"tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "1MB"}]}
-    first = run(job(tiny_dataset, tmp_path, "resize3", **spec), progress=False).summary
+    first = run(job(tiny_dataset, tmp_path, "resize3", data={"reader": "ray_data"}, **spec),
+                progress=False).summary
     assert first["steps"] == 4 and first["param_digests_agree"]
     assert first["checkpoint"]["snapshots"] == 2 and first["checkpoint"]["refused"] == 0
     assert first["checkpoint"]["persisted_steps"] == [2, 4]

@@ -1,9 +1,24 @@
-"""raylib on Ray Train vs bare DeepSpeed under torchrun: same model, data, ZeRO stage, world size.
+"""raylib on Ray Train vs a bare DeepSpeed script under torchrun: same model, data, ZeRO stage,
+micro-batch, steps and world size.
 
-    python bench/wrapper_overhead.py [--rounds 2] [--steps 60] [--zero-stage 2]
+    python bench/wrapper_overhead.py                     # bert-mini, micro-batch 16, 60 steps
+    python bench/wrapper_overhead.py --model bert-base --micro-batch 8 --steps 12
+                                                         # the realistic size (closing note)
 
-Prints JSON: both throughputs (samples/s after warm-up, median over rounds) and their ratio.
-The runs alternate (raylib, bare, raylib, bare, ...) so that machine noise hits both alike.
+(other flags: --rounds 2 --zero-stage 2 --workers 2). Run it on an otherwise idle machine.
+
+The baseline, bench/bare_deepspeed.py, imports nothing from raylib: it is what a user writes by
+hand from DeepSpeed's docs (pyarrow into memory, numpy masking, DeepSpeed's defaults, DeepSpeed's
+default optimizer implementation), run with `python -m torch.distributed.run --standalone`.
+raylib runs at the defaults a user gets from `raylib run` (plus the same model, micro-batch, ZeRO
+stage and steps) in two configurations: the default data path (no data.tiers) and one local
+cache tier (data.tiers: [{name: hot, url: <tmp>/hot, capacity: 256MB}], a fresh, cold directory
+every round). Each round runs raylib-default, raylib-tier and bare in turn, so that machine noise
+hits all three alike.
+
+Throughput: samples/s over the steps after the first WARMUP_STEPS (median over rounds), from each
+run's step times. Prints JSON on stdout (nothing else): "targets" (the figures issue 11 checks,
+each with its value, target and meaning), then the raw per-round figures.
 """
 
 from __future__ import annotations
@@ -23,20 +38,27 @@ sys.path.insert(0, str(REPO))
 
 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints on import
     from raylib import JobSpec  # noqa: E402
+from raylib.spec import MODEL_PRESETS  # noqa: E402
 from raylib.summary import WARMUP_STEPS  # noqa: E402
 
+DATA = REPO / ".raylib/data/ecommerce"
+MANIFEST = REPO / "datasets/ecommerce.yaml"
+VARIANTS = ("raylib_default", "raylib_tier", "bare")
 
-def spec_for(args, out_dir: str, name: str) -> JobSpec:
+
+def spec_for(args, out_dir: str, name: str, hot_dir: str | None = None) -> JobSpec:
+    """What a user writes for `raylib run`: only the model, batch, ZeRO stage, steps (and, for
+    the tiered variant, one cache tier) differ from the defaults."""
+    data: dict = {"path": str(DATA), "manifest": str(MANIFEST)}
+    if hot_dir is not None:
+        data["tiers"] = [{"name": "hot", "url": hot_dir, "capacity": "256MB"}]
     return JobSpec.from_dict({
         "name": name,
         "model": {"preset": args.model},
-        "data": {"path": str(REPO / ".raylib/data/ecommerce"),
-                 "manifest": str(REPO / "datasets/ecommerce.yaml")},
-        "strategy": {"zero_stage": args.zero_stage, "micro_batch_size": args.micro_batch,
-                     "lr_schedule": {"type": "constant"}},
+        "data": data,
+        "strategy": {"zero_stage": args.zero_stage, "micro_batch_size": args.micro_batch},
         "scaling": {"num_workers": args.workers},
-        "checkpoint": {"at_end": False},
-        "run": {"steps": args.steps, "log_every": args.steps, "output_dir": out_dir},
+        "run": {"steps": args.steps, "output_dir": out_dir},
     })
 
 
@@ -45,18 +67,42 @@ def throughput(step_times: list[float], global_batch: int) -> float:
     return global_batch * len(timed) / sum(timed)
 
 
-def run_bare(spec: JobSpec, workdir: Path) -> float:
-    spec_file, out = workdir / "bare_spec.json", workdir / "bare_result.json"
-    spec_file.write_text(spec.model_dump_json())
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={spec.world_size}", str(REPO / "bench/bare_deepspeed.py"),
-         "--spec", str(spec_file), "--out", str(out)],
-        check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+def run_raylib(spec: JobSpec) -> dict:
+    import raylib
+
+    s = raylib.run(spec, progress=False).summary
+    return {"samples_per_s": s["samples_per_s"], "step_time_s": s["step_time_s"],
+            "data_wait_fraction": s["data_wait_fraction"], "wall_s": s["wall_s"]}
+
+
+def run_bare(args, spec: JobSpec, workdir: Path) -> dict:
+    """bench/bare_deepspeed.py under torchrun, given the shape of raylib's preset as flags."""
+    out = workdir / "bare_result.json"
+    out.unlink(missing_ok=True)
+    shape = MODEL_PRESETS[args.model]
+    opt = spec.strategy.optimizer
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)  # nothing of raylib's on its path (it imports none of it anyway)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={spec.world_size}", str(REPO / "bench/bare_deepspeed.py"),
+           "--data", spec.data.path,
+           "--num-hidden-layers", str(shape["num_hidden_layers"]),
+           "--hidden-size", str(shape["hidden_size"]),
+           "--num-attention-heads", str(shape["num_attention_heads"]),
+           "--intermediate-size", str(shape["intermediate_size"]),
+           "--micro-batch", str(args.micro_batch), "--zero-stage", str(args.zero_stage),
+           "--steps", str(args.steps), "--lr", str(opt.lr), "--seed", str(spec.run.seed),
+           "--mlm-probability", str(spec.data.mlm_probability), "--out", str(out)]
+    log = workdir / "bare.log"
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, env=env, cwd=workdir, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        sys.stderr.write(log.read_text()[-4000:])
+        raise SystemExit(f"bare DeepSpeed run failed (rc {proc.returncode}); log above")
     result = json.loads(out.read_text())
-    return throughput(result["step_times"], result["global_batch"])
+    return {"samples_per_s": throughput(result["step_times"], result["global_batch"]),
+            "step_time_s": statistics.median(result["step_times"]),
+            "optimizer": result["optimizer"]}
 
 
 def main() -> None:
@@ -66,35 +112,54 @@ def main() -> None:
     ap.add_argument("--zero-stage", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, default=16)
-    ap.add_argument("--model", default="bert-mini")
+    ap.add_argument("--model", default="bert-mini", choices=sorted(MODEL_PRESETS))
     args = ap.parse_args()
 
-    import raylib
     from raylib import runtime
     from raylib.data.build import DatasetManifest, build
 
     # stdout carries only the JSON: workers' output is not forwarded to the driver.
     runtime.connect(num_cpus_needed=args.workers, log_to_driver=False)
-    build(DatasetManifest.load(REPO / "datasets/ecommerce.yaml"), str(REPO / ".raylib/data/ecommerce"),
-          progress=False)
-    ours, bare, waits = [], [], []
+    with contextlib.redirect_stdout(sys.stderr):
+        build(DatasetManifest.load(MANIFEST), str(DATA), progress=False)
+    rounds: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="raylib-bench-") as tmp:
         for r in range(args.rounds):
-            result = raylib.run(spec_for(args, tmp, f"round{r}"), progress=False)
-            ours.append(result.summary["samples_per_s"])
-            waits.append(result.summary["data_wait_fraction"])
-            bare.append(run_bare(spec_for(args, tmp, f"bare{r}"), Path(tmp)))
-            print(f"round {r}: raylib {ours[-1]:.1f} samples/s, bare DeepSpeed {bare[-1]:.1f}",
-                  file=sys.stderr)
-    raylib_sps, bare_sps = statistics.median(ours), statistics.median(bare)
+            with contextlib.redirect_stdout(sys.stderr):
+                rounds["raylib_default"].append(run_raylib(spec_for(args, tmp, f"default{r}")))
+                rounds["raylib_tier"].append(
+                    run_raylib(spec_for(args, tmp, f"tier{r}", hot_dir=f"{tmp}/hot{r}")))
+            rounds["bare"].append(run_bare(args, spec_for(args, tmp, f"bare{r}"), Path(tmp)))
+            print(f"round {r}: " + ", ".join(
+                f"{v} {rounds[v][-1]['samples_per_s']:.1f} samples/s" for v in VARIANTS),
+                file=sys.stderr)
+
+    def median(variant: str, key: str) -> float:
+        return statistics.median(x[key] for x in rounds[variant])
+
+    sps = {v: median(v, "samples_per_s") for v in VARIANTS}
     print(json.dumps({
         "benchmark": "wrapper_overhead",
+        "targets": {
+            "raylib_vs_bare_tiered": {
+                "value": sps["raylib_tier"] / sps["bare"], "target": ">= 0.97",
+                "what": "raylib (one cache tier) samples/s / bare DeepSpeed samples/s"},
+            "data_wait_default_path": {
+                "value": median("raylib_default", "data_wait_fraction"), "target": "<= 0.05",
+                "what": "fraction of the loop waiting for data on the default (no tiers) path"},
+            "raylib_vs_bare_default": {
+                "value": sps["raylib_default"] / sps["bare"], "target": ">= 0.97",
+                "what": "raylib (default data path, no tiers) samples/s / bare DeepSpeed "
+                        "samples/s"},
+        },
         "model": args.model, "zero_stage": args.zero_stage, "world_size": args.workers,
         "micro_batch_size": args.micro_batch, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
         "rounds": args.rounds,
-        "raylib_samples_per_s": raylib_sps, "bare_deepspeed_samples_per_s": bare_sps,
-        "raylib_rounds": ours, "bare_rounds": bare, "raylib_data_wait_fraction": waits,
-        "ratio": raylib_sps / bare_sps, "target_ratio": 0.97,
+        "samples_per_s": sps,
+        "step_time_s": {v: median(v, "step_time_s") for v in VARIANTS},
+        "data_wait_fraction": {v: [x["data_wait_fraction"] for x in rounds[v]]
+                               for v in VARIANTS if v != "bare"},
+        "per_round": rounds,
     }, indent=2))
 
 

@@ -51,10 +51,30 @@ def hashed_copy(src: BinaryIO, write: Callable[[Any], Any], limit: int | None = 
 
 def hashed_write(view: memoryview, write: Callable[[Any], Any]) -> str:
     """Write a bytes-like object in chunks, hashing on the way; returns its sha256 hex."""
-    view = memoryview(view).cast("B")
-    digest = hashlib.sha256()
-    for i in range(0, len(view), CHUNK):
-        chunk = view[i:i + CHUNK]
-        digest.update(chunk)
-        write(chunk)
-    return digest.hexdigest()
+    writer = HashedWriter(write)
+    writer.write(view)
+    return writer.hexdigest()
+
+
+class HashedWriter:
+    """A write-only file object over `write` that counts and hashes (sha256) what passes through:
+    for writers that produce their bytes as they go (torch.save into it), so that what is written
+    is hashed once, on the way, and never held whole in memory."""
+
+    def __init__(self, write: Callable[[Any], Any]):
+        self._write, self._digest, self.bytes = write, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        for i in range(0, len(view), CHUNK):
+            chunk = view[i:i + CHUNK]
+            self._digest.update(chunk)
+            self._write(chunk)
+        self.bytes += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()

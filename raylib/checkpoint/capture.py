@@ -6,9 +6,13 @@ goes on* (CheckFreq's pipelined snapshot): a forward and backward pass only read
 optimizer state, so the copy overlaps them, and the loop calls `fence()` before the optimizer step,
 the first thing that writes to them. On a GPU the copy runs on a side stream into pinned memory and
 the fence is a stream dependency (the host does not wait at all); on the CPU it runs in a thread
-and the fence joins it. The copies travel to the object store as numpy byte views. `serialize`
-turns a snapshot into the bytes of the file DeepSpeed would have written: the keepers do that, off
-the training path, so that persisted and restored checkpoints are DeepSpeed's own.
+and the fence joins it. On the CPU the thread can put the live tensors straight into the object store
+(`put`: one copy, no host copy in between); a snapshot travels and is held as (skeleton, numpy byte
+arrays), which the object store keeps out of band (no pickling of tensor data, zero-copy reads).
+`save_file` writes a snapshot as the file DeepSpeed would have written (torch.save of the state
+dict), streamed into its destination: the keepers do that only when persisting, off the training
+path, so that persisted checkpoints are DeepSpeed's own; `for_load` serves a snapshot held in the
+object store to DeepSpeed's load without any file.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import io
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -95,8 +100,13 @@ class HostCopy:
     host tensors (CPU training, offloaded optimizer state) in a thread (the fence joins it).
     """
 
-    def __init__(self, flats: list[Flat]):
+    def __init__(self, flats: list[Flat], put: Callable[[], Any] | None = None):
+        """put: called in the copy thread, before anything else, while the live tensors may still
+        be read (CPU only); when it returns, it has taken what it needs from them (e.g. put them
+        into the object store) and no host copy is made. If it raises, host copies are made as
+        without it (`put_error` says why)."""
         self._flats = [f for f in flats if f.sources]
+        self._put, self.put_error, self.put_done = put, None, False
         for f in self._flats:
             f.tensors = [None] * len(f.sources)
         self._event = None
@@ -114,11 +124,20 @@ class HostCopy:
             self._event = torch.cuda.Event()
             self._event.record(stream)
         self._host = [(f, i) for f in self._flats for i, t in enumerate(f.sources) if not t.is_cuda]
+        if cuda:
+            self._put = None  # its copies are not made yet: whoever waits puts them
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._copy_host, name="ckpt-host-copy", daemon=True)
         self._thread.start()
 
     def _copy_host(self) -> None:
+        if self._put is not None:
+            try:
+                self._put()
+                self.put_done, self._host = True, []
+                return
+            except Exception as e:  # e.g. the keeper refused it: host copies, as without put
+                self.put_error = e
         try:
             for f, i in self._host:
                 f.tensors[i] = _host(f.sources[i])
@@ -143,8 +162,15 @@ class HostCopy:
 
 
 def to_arrays(tensors: list[torch.Tensor]) -> list[np.ndarray]:
-    """Byte views of the (host, contiguous) tensors: no copy."""
-    return [t.reshape(-1).view(torch.uint8).numpy() for t in tensors]
+    """Byte views of the host tensors: no copy (but of a non-contiguous one)."""
+    return [t.contiguous().reshape(-1).view(torch.uint8).numpy() for t in tensors]
+
+
+def nbytes_of(value: Any) -> int:
+    """Size of a part's file as held: bytes-like, or a snapshot (skeleton, arrays)."""
+    if isinstance(value, tuple):
+        return sum(a.nbytes for a in value[1])
+    return memoryview(value).nbytes
 
 
 def rebuild(skeleton: Any, arrays: list) -> Any:
@@ -163,6 +189,35 @@ def rebuild(skeleton: Any, arrays: list) -> Any:
         return views[x.index]
 
     return _map(skeleton, leaf)
+
+
+def for_load(skeleton: Any, arrays: list) -> Any:
+    """The state dict back for DeepSpeed to load, over read-only (object store) buffers: the
+    module's weights stay views (load_state_dict copies them into the parameters), everything else
+    is copied once, since loaders may keep it (torch optimizers take over their state tensors
+    and update them in place)."""
+    state = rebuild(skeleton, arrays)
+    if not isinstance(state, dict):
+        return _copied(state, {})
+    seen: dict[int, torch.Tensor] = {}
+    return type(state)({k: v if k == "module" else _copied(v, seen) for k, v in state.items()})
+
+
+def _copied(x: Any, seen: dict[int, torch.Tensor]) -> Any:
+    def leaf(t):
+        if not torch.is_tensor(t):
+            return t
+        if id(t) not in seen:  # tied tensors stay tied
+            seen[id(t)] = t.clone()
+        return seen[id(t)]
+
+    return _map(x, leaf)
+
+
+def save_file(skeleton: Any, arrays: list, f: BinaryIO) -> None:
+    """Write the file DeepSpeed would have written (torch.save of the state dict) into the file
+    object `f`, streamed: no copy of the whole file is ever in memory."""
+    torch.save(rebuild(skeleton, arrays), f)
 
 
 def serialize(skeleton: Any, arrays: list) -> np.ndarray:

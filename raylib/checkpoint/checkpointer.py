@@ -1,13 +1,16 @@
 """Object-store checkpoints inside the training loop (checkpoint.in_memory: true).
 
 Every checkpoint step, each rank has DeepSpeed build its state dicts (deepspeed_io.capture) and goes
-on training while they are copied to host memory (a memcpy per tensor, no serialisation; the loop
-calls fence() before the next optimizer step) and a background thread puts the copy into the
-object store and hands it to its node's keeper (handoff.py). The keeper serialises,
-replicates and persists in the background. Rank 0 reports a small *pointer* checkpoint to Ray Train
-({run, step, world_size, persist_url}), so Ray Train's bookkeeping, get_checkpoint() and Tune keep
-working. The pointer is reported before the other ranks' parts have reached their keepers, so it is
-only a hint: restore loads the newest step that is complete, whatever the pointer says.
+on training while they are copied into the object store (on the CPU straight from the live
+tensors: one memcpy per tensor, no serialisation; the loop calls fence() before the next optimizer
+step) and a background thread hands them to its node's keeper (handoff.py). The keeper copies,
+replicates and persists in the background (only persisting writes DeepSpeed's files). A restore
+from memory at the same world size serves the state dicts to DeepSpeed from the object store
+(deepspeed_io.ServeEngine): no file is written or read. Rank 0 reports a small *pointer*
+checkpoint to Ray Train ({run, step, world_size, persist_url}), so Ray Train's bookkeeping,
+get_checkpoint() and Tune keep working. The pointer is reported before the other ranks' parts have
+reached their keepers, so it is only a hint: restore loads the newest step that is complete,
+whatever the pointer says.
 
 Restoring after a restart, every rank must load the same step, so the choice is collective: rank 0
 lists the complete steps (newest first) and broadcasts them; for each, every rank fetches what it
@@ -196,9 +199,9 @@ class ObjectStoreCheckpointer:
         scratch = deepspeed_io.scratch_dir(engine, "raylib-restore-")
         try:
             def fetch(step: int, saved_world: int):
-                directory = tempfile.mkdtemp(dir=scratch)
+                directory, memory = tempfile.mkdtemp(dir=scratch), {}
                 with self._phase("restore_fetch"):
-                    return (directory, *self._fetch(reader, step, saved_world, directory))
+                    return (directory, memory, *self._fetch(reader, step, saved_world, directory, memory))
 
             def agree(ok: bool) -> bool:
                 with self._phase("restore_agree"):
@@ -207,28 +210,32 @@ class ObjectStoreCheckpointer:
             found = first_usable(candidates, fetch, agree, reader.run)
             if found is None:
                 return None
-            step, saved_world, (directory, state, source) = found
+            step, saved_world, (directory, memory, state, source) = found
             with self._phase("restore_load"):
-                self._load(engine, directory, step, saved_world)
+                self._load(engine, directory, step, saved_world, memory)
             return step, state, source
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
-    def _fetch(self, reader: CheckpointStore, step: int, saved_world: int,
-               directory: str) -> tuple[dict[str, Any], str]:
+    def _fetch(self, reader: CheckpointStore, step: int, saved_world: int, directory: str,
+               memory: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """Fetch what this rank loads into `directory`; at the same world size, the state dicts
+        the keepers hold go into `memory` instead (served to DeepSpeed from the object store)."""
         holders = reader.holders()
         if saved_world == self.world:  # own part, and the weights rank 0 wrote for everyone
-            own = reader.fetch(step, self.rank, directory, holders=holders)
+            own = reader.fetch(step, self.rank, directory, holders=holders, memory=memory)
             sources = [own.source]
             if self.rank != 0:
-                sources.append(reader.fetch(step, 0, directory, deepspeed_io.shared, holders).source)
+                sources.append(reader.fetch(step, 0, directory, deepspeed_io.shared, holders,
+                                            memory=memory).source)
             return dict(own.meta.get("state") or {}), max(sources, key=SOURCES.index)
         # another world size: every old rank's files, for the universal conversion. The client
         # state is returned as saved (the loop's {"ranks": [...]}, the same in every part).
         parts = [reader.fetch(step, r, directory, holders=holders) for r in range(saved_world)]
         return dict(parts[0].meta.get("state") or {}), max((p.source for p in parts), key=SOURCES.index)
 
-    def _load(self, engine, directory: str, step: int, saved_world: int) -> None:
+    def _load(self, engine, directory: str, step: int, saved_world: int,
+              memory: dict[str, Any] | None = None) -> None:
         files = [os.path.relpath(os.path.join(r, n), directory)
                  for r, _, names in os.walk(directory) for n in names]
         if saved_world != self.world and deepspeed_io.needs_universal(files):
@@ -236,7 +243,7 @@ class ObjectStoreCheckpointer:
                         "universal checkpoint", step, saved_world, self.world)
             deepspeed_io.load_universal(engine, directory, step)
         else:
-            deepspeed_io.load(engine, directory, step)
+            deepspeed_io.load(engine, directory, step, memory)
 
     # -- save -----------------------------------------------------------------------------------
 
@@ -246,12 +253,14 @@ class ObjectStoreCheckpointer:
         self._device = engine.device
         with self._phase("capture"):
             captured = deepspeed_io.capture(engine, step, state)
-            self._copy = HostCopy([p for p in captured.values() if isinstance(p, Flat)])
-        self._bytes = sum(p.nbytes if isinstance(p, Flat) else len(p) for p in captured.values())
-        persist = self._persist_due(step)
-        self._unpersisted = None if persist else step
-        handoff = Handoff(self.store, self.rank, self.world, step, captured, self._bytes, {"state": state},
-                          self._refused, self._copy, persist)
+            self._bytes = sum(p.nbytes if isinstance(p, Flat) else len(p) for p in captured.values())
+            persist = self._persist_due(step)
+            self._unpersisted = None if persist else step
+            handoff = Handoff(self.store, self.rank, self.world, step, captured, self._bytes,
+                              {"state": state}, self._refused, persist=persist)
+            # the copy thread puts the live tensors straight into the object store (CPU)
+            handoff.copy = self._copy = HostCopy([p for p in captured.values() if isinstance(p, Flat)],
+                                                 put=handoff.put_live)
         handoff.start()
         self._pending.append(handoff)
         with self._phase("report"):

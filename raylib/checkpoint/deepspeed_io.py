@@ -3,10 +3,11 @@
 A snapshot is engine.save_checkpoint (a per-step tag) run with `CaptureEngine` as DeepSpeed's
 checkpoint engine: DeepSpeed builds every state dict of its format (ZeRO shards, optimizer,
 scheduler, RNG, client state) and hands each to the capture engine, which records its tensors for a
-host copy made while training goes on (capture.py) instead of pickling it to a file; the keepers
-later serialise them into exactly the files DeepSpeed would have written, which restores (and the
-universal converter) read. Which files a rank writes, and which it reads back at the same world
-size:
+host copy made while training goes on (capture.py) instead of pickling it to a file; persisting
+writes them as exactly the files DeepSpeed would have written (which restores from persist_url and
+the universal converter read), and a restore from memory at the same world size serves them to
+DeepSpeed's load_checkpoint from the object store (`ServeEngine`: no file written or read).
+Which files a rank writes, and which it reads back at the same world size:
 
 * ZeRO-0/1/2: rank 0 writes mp_rank_00_model_states.pt (the weights every rank loads) and each rank
   writes zero_pp_rank_<r>_mp_rank_00_optim_states.pt (the optimizer shard only rank r loads);
@@ -30,7 +31,7 @@ from typing import Any
 
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
-from raylib.checkpoint.capture import Flat, flatten
+from raylib.checkpoint.capture import Flat, flatten, for_load
 
 PER_RANK = re.compile(r"(^|/)zero_pp_rank_\d+_")  # ZeRO's per-rank files
 RAM_DISK = "/dev/shm"
@@ -110,9 +111,43 @@ def capture(engine, step: int, state: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def load(engine, directory: str, step: int) -> None:
-    """Load tag(step) from `directory` saved at this world size."""
-    path, _ = engine.load_checkpoint(directory, tag=tag(step))
+class ServeEngine(CheckpointEngine):
+    """A DeepSpeed checkpoint engine that serves state dicts held in memory (the capture engine in
+    reverse): load(path) of a file in `parts` ({absolute path: (skeleton, arrays)}, the file
+    itself an empty placeholder that DeepSpeed's existence checks and globs find) returns the
+    state dict over those buffers (capture.for_load); any other file is read as usual."""
+
+    def __init__(self, parts: dict[str, Any], files: CheckpointEngine):
+        super().__init__()
+        self.name = "raylib-serve"
+        self.parts, self.files = parts, files
+
+    def create(self, info) -> None:
+        pass
+
+    def save(self, state_dict, path: str) -> None:
+        raise RuntimeError("the serving engine only loads")
+
+    def load(self, path: str, map_location=None):
+        part = self.parts.get(os.path.abspath(path))
+        if part is None:
+            return self.files.load(path, map_location=map_location)
+        return for_load(*part)
+
+    def commit(self, info) -> bool:
+        return True
+
+
+def load(engine, directory: str, step: int, memory: dict[str, Any] | None = None) -> None:
+    """Load tag(step) from `directory` saved at this world size; the files in `memory` ({absolute
+    path: (skeleton, arrays)}, see CheckpointStore.fetch) are served from there."""
+    previous = engine.checkpoint_engine
+    if memory:
+        engine.checkpoint_engine = ServeEngine(memory, previous)
+    try:
+        path, _ = engine.load_checkpoint(directory, tag=tag(step))
+    finally:
+        engine.checkpoint_engine = previous
     if path is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint {tag(step)!r} in {directory}")
 

@@ -1,9 +1,12 @@
 """A rank's snapshot on its way to the keeper, off the training path.
 
-Training goes on at once: a background thread waits for the snapshot's host copy (capture.py), puts
-it into the object store (objects this rank owns) and waits until the node's keeper owns its
-own copy. If the rank dies before that, this snapshot is lost and a restart uses the previous one:
-the keepers only ever hold whole parts, and a step counts only when every rank's part is held.
+Training goes on at once. On the CPU the host-copy thread puts the live tensors straight into the
+object store (`put_live`: one copy per tensor, made before the fence, as (skeleton, numpy byte
+arrays): no pickling of tensor data); otherwise (CUDA, or when that failed) a background thread
+puts the host copies. Then it hands the objects (which this rank owns) to the node's keeper and
+waits until the keeper owns its own copy. If the rank dies before that, this snapshot is lost and
+a restart uses the previous one: the keepers only ever hold whole parts, and a step counts only
+when every rank's part is held.
 
 Whatever goes wrong on the way (the keeper refuses it because its node's checkpoint budget in the
 object store would overflow, the keeper is gone, the store is full), the snapshot is not lost: the
@@ -20,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from raylib.checkpoint.capture import Flat, HostCopy, serialize, to_arrays
+from raylib.checkpoint.capture import Flat, HostCopy, to_arrays
 
 log = logging.getLogger(__name__)
 
@@ -38,27 +41,39 @@ class Handoff:
         self.captured, self.nbytes, self.meta = captured, nbytes, meta
         self.failures = failures  # shared with the checkpointer: what fell back to a direct write
         self.replicas: list[str] | None = None
+        self.refs: dict[str, Any] | None = None  # the part's objects, once put
         self.thread = threading.Thread(target=self._run, name=f"ckpt-handoff-{step}", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
-    def _parts(self) -> dict[str, Any]:
-        return {rel: (p.skeleton, to_arrays(p.tensors)) if isinstance(p, Flat) else p
+    def _parts(self, live: bool = False) -> dict[str, Any]:
+        return {rel: (p.skeleton, to_arrays(p.sources if live else p.tensors)) if isinstance(p, Flat) else p
                 for rel, p in self.captured.items()}
 
-    def _run(self) -> None:
+    def _put(self, live: bool) -> None:
         import numpy as np
+        import ray
+
+        self.store.admit(self.rank, self.nbytes)  # a refused snapshot never enters the store
+        self.refs = {rel: ray.put(v if isinstance(v, tuple) else np.frombuffer(v, dtype=np.uint8))
+                     for rel, v in self._parts(live).items()}
+
+    def put_live(self) -> None:
+        """Put the snapshot into the object store from the live tensors (HostCopy's `put`: called
+        in its thread before the fence, so nothing writes to them meanwhile)."""
+        self._put(live=True)
+
+    def _run(self) -> None:
         import ray
 
         try:
             if self.copy is not None:
                 self.copy.wait()
             try:
-                self.store.admit(self.rank, self.nbytes)  # a refused snapshot never enters the store
-                refs = {rel: ray.put(v if isinstance(v, tuple) else np.frombuffer(v, dtype=np.uint8))
-                        for rel, v in self._parts().items()}
-                answer = self.store.put(self.step, self.rank, self.world, refs, self.nbytes, self.meta,
+                if self.refs is None:
+                    self._put(live=False)
+                answer = self.store.put(self.step, self.rank, self.world, self.refs, self.nbytes, self.meta,
                                         self.persist)
                 self.replicas = ray.get(answer, timeout=PUT_TIMEOUT_S)["replicas"]
             except Exception as e:  # refused, keeper gone, store full: write it out instead
@@ -67,7 +82,7 @@ class Handoff:
             log.warning("checkpoint of step %d (rank %d) lost: %s", self.step, self.rank, e)
             self.failures.append(f"step {self.step}: lost: {e}")
         finally:
-            self.captured = None  # the host copy is the keeper's (or persisted) now
+            self.captured = self.refs = None  # the keeper's (or persisted) now
 
     def done(self) -> bool:
         return not self.thread.is_alive()
@@ -79,9 +94,14 @@ class Handoff:
         return time.perf_counter() - t0
 
     def _fall_back(self, error: BaseException) -> None:
+        import ray
+
         reason = getattr(error, "cause", None) or error  # the StoreFullError inside a RayTaskError
         log.warning("in-memory checkpoint of step %d not taken: %s. Writing it to %s instead.",
                     self.step, reason, self.store.policy.persist_url)
         self.failures.append(f"step {self.step}: {reason}")
-        files = {rel: serialize(*p) if isinstance(p, tuple) else p for rel, p in self._parts().items()}
+        if self.refs is not None:  # put already (the host copy was skipped): read them back
+            files = dict(zip(self.refs, ray.get(list(self.refs.values())), strict=True))
+        else:
+            files = self._parts()
         self.store.persist_now(self.step, self.rank, self.world, files, self.meta)

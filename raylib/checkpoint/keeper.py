@@ -8,10 +8,14 @@ back) and takes no CPU slot. Each part it holds is also copied by the keeper of 
 ring of the alive nodes (the replica survives this node), and a background thread persists it to
 the run's fsspec URL; training never waits for either.
 
-A rank hands over its snapshot as objects it put itself (its captured state dicts, see
-capture.py); the keeper serialises each into the bytes of the file DeepSpeed would have written and
-owns that copy, so that the rank may free its own. It refuses a part that would push the checkpoints
-it holds over `max_store_fraction` of the node's object store instead of letting Ray spill or thrash.
+A rank hands over its snapshot as objects it put itself (its captured state dicts as (skeleton,
+numpy byte arrays), see capture.py); the keeper owns a copy of each as it is (reading it is
+zero-copy, putting it back one memcpy: no pickling of tensor data), so that the rank may free its
+own. Replicas copy the same form. Only persisting turns a part into DeepSpeed's files, streamed
+into their destination and hashed on the way (persist.py): nothing is serialised for a snapshot that
+is only held in memory, and nothing is done twice. It refuses a part that would push the
+checkpoints it holds over `max_store_fraction` of the node's object store instead of letting Ray
+spill or thrash.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ class CheckpointKeeper:
         self._inflight: dict[int, tuple[str, tuple, int]] = {}  # persist job id -> (run, key, bytes)
         self._replicating: list[tuple[str, str, Any]] = []  # (run, target node, future)
         self._errors: dict[str, list[str]] = {}
+        self._timings: dict[str, dict[str, list]] = {}
         self._jobs: queue.Queue = queue.Queue()
         self._next_job = 0
         threading.Thread(target=self._persist_loop, name="ckpt-persist", daemon=True).start()
@@ -149,21 +154,22 @@ class CheckpointKeeper:
     def put(self, run: str, step: int, rank: int, world_size: int, refs: dict[str, Any], nbytes: int,
             meta: dict[str, Any], policy: StorePolicy, persist: bool = True) -> dict[str, Any]:
         """Own a copy of a rank's part: `refs` (owned by the rank) hold each file's bytes or a captured
-        state dict (skeleton, arrays) to serialise. Replication and persistence (unless `persist`
-        is False: persist() may ask for it later) follow in the background. Returns where the
-        replicas go (none: why not)."""
-        from raylib.checkpoint.capture import serialize
+        state dict (skeleton, arrays), copied as they are. Replication and persistence (unless
+        `persist` is False: persist() may ask for it later) follow in the background. Returns
+        where the replicas go (none: why not)."""
+        from raylib.checkpoint.capture import nbytes_of
 
         def copy():
             own, sizes = {}, {}
             for rel, ref in refs.items():
-                value = ray.get(ref)
-                data = serialize(*value) if isinstance(value, tuple) else value
-                own[rel], sizes[rel] = ray.put(data), memoryview(data).nbytes
-                del value, data
+                value = ray.get(ref)  # zero-copy views of the rank's object
+                own[rel], sizes[rel] = ray.put(value), nbytes_of(value)  # one memcpy
+                del value
             return own, sizes
 
+        t0 = time.perf_counter()
         own, sizes = self._take(run, rank, nbytes, policy, False, copy)
+        self._time(run, "copy", time.perf_counter() - t0)
         self._add(run, step, rank, _Part(own, sizes, world_size, meta, replica=False), policy.keep_in_memory)
         targets = ring_targets(self.node_id, policy.replicas)
         self._reap()
@@ -200,7 +206,9 @@ class CheckpointKeeper:
             values = ray.get(list(refs.values()))
             return {rel: ray.put(v) for rel, v in zip(refs, values, strict=True)}, sizes
 
+        t0 = time.perf_counter()
         own, _ = self._take(run, rank, sum(sizes.values()), policy, True, copy)
+        self._time(run, "replica", time.perf_counter() - t0)
         self._add(run, step, rank, _Part(own, sizes, world_size, meta, replica=True), policy.keep_in_memory)
 
     # -- background persistence ------------------------------------------------------------------
@@ -209,11 +217,15 @@ class CheckpointKeeper:
         while True:
             job, run, step, rank, world_size, refs, meta, policy = self._jobs.get()
             try:
+                t0 = time.perf_counter()
                 values = ray.get(list(refs.values()))
                 target = PersistedRun(policy.persist_url, run, policy.storage_options)
                 target.write_part(step, rank, world_size, dict(zip(refs, values, strict=True)), meta)
                 del values
+                t1 = time.perf_counter()
                 target.retain(policy.keep_persisted)
+                self._time(run, "persist", t1 - t0)
+                self._time(run, "retain", time.perf_counter() - t1)
                 with self._lock:
                     part = self._parts.get((run, step, rank, False))
                     if part is not None:
@@ -226,6 +238,12 @@ class CheckpointKeeper:
                 with self._lock:
                     del self._inflight[job]
                     self._lock.notify_all()
+
+    def _time(self, run: str, what: str, seconds: float) -> None:
+        """Where the keeper's time goes, per run: {what: [count, total seconds]}."""
+        with self._lock:
+            entry = self._timings.setdefault(run, {}).setdefault(what, [0, 0.0])
+            entry[0], entry[1] = entry[0] + 1, entry[1] + seconds
 
     # -- queries and housekeeping ----------------------------------------------------------------
 
@@ -267,7 +285,8 @@ class CheckpointKeeper:
             self._lock.wait_for(lambda: all(r != run for r, _, _ in self._inflight.values()),
                                 timeout=max(0.0, deadline - time.monotonic()))
             return {"errors": list(self._errors.get(run, [])),
-                    "persisted": sorted(k[1] for k, p in self._parts.items() if k[0] == run and p.persisted)}
+                    "persisted": sorted(k[1] for k, p in self._parts.items() if k[0] == run and p.persisted),
+                    "timings": {k: list(v) for k, v in self._timings.get(run, {}).items()}}
 
     def drop(self, run: str | None = None, *, prefix: str | None = None, except_run: str | None = None,
              rank: int | None = None, upto: int | None = None) -> int:

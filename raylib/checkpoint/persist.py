@@ -23,7 +23,7 @@ from typing import Any
 
 import fsspec
 
-from raylib.fileio import ChecksumError, hashed_copy, hashed_write
+from raylib.fileio import ChecksumError, HashedWriter, hashed_copy, hashed_write
 
 _STEP = re.compile(r"step-(\d+)$")
 _MANIFEST = re.compile(r"rank-(\d+)\.manifest\.json$")
@@ -55,23 +55,33 @@ class PersistedRun:
     def _path(self, rel: str) -> str:
         return f"{self.root}/{rel}"
 
-    def _write(self, path: str, data) -> str:
-        """Write `data` (bytes-like) to `path` whole or not at all; returns its sha256."""
+    def _write(self, path: str, data) -> tuple[int, str]:
+        """Write `data` to `path` whole or not at all; returns its (bytes, sha256). `data` is
+        bytes-like, or a snapshot (skeleton, arrays) written as DeepSpeed's file (torch.save),
+        streamed into the destination and hashed on the way."""
+        from raylib.checkpoint.capture import save_file
+
         target = f"{path}.partial-{secrets.token_hex(4)}" if self._rename else path
         self.fs.makedirs(os.path.dirname(path), exist_ok=True)
         with self.fs.open(target, "wb") as f:
-            digest = hashed_write(data, f.write)
+            if isinstance(data, tuple):
+                out = HashedWriter(f.write)
+                save_file(*data, out)
+                size, digest = out.bytes, out.hexdigest()
+            else:
+                size, digest = memoryview(data).nbytes, hashed_write(data, f.write)
         if self._rename:
             self.fs.mv(target, path)
-        return digest
+        return size, digest
 
     def write_part(self, step: int, rank: int, world_size: int, files: Mapping[str, Any],
                    meta: dict[str, Any]) -> dict[str, Any]:
-        """Persist one rank's part: every file, then its manifest (which makes the part exist)."""
+        """Persist one rank's part: every file (bytes-like, or a snapshot (skeleton, arrays)), then
+        its manifest (which makes the part exist)."""
         entries = {}
         for rel, data in files.items():
-            sha = self._write(self._path(f"{_part_dir(step, rank)}/{rel}"), data)
-            entries[rel] = {"bytes": memoryview(data).nbytes, "sha256": sha}
+            size, sha = self._write(self._path(f"{_part_dir(step, rank)}/{rel}"), data)
+            entries[rel] = {"bytes": size, "sha256": sha}
         manifest = {"step": step, "rank": rank, "world_size": world_size, "meta": meta,
                     "files": entries}
         self._write(self._path(_manifest_name(step, rank)), json.dumps(manifest).encode())

@@ -1,8 +1,8 @@
 """The client side of object-store checkpoints: what a rank (or a test) calls.
 
 A checkpoint is made of one *part* per rank: its DeepSpeed files (as objects the rank put: bytes,
-or captured state dicts the keeper serialises), plus a small JSON-able `meta` (its data pipeline
-position and RNG state). `put` hands a part to the keeper of the caller's node;
+or captured state dicts as (skeleton, arrays), held as they are), plus a small JSON-able `meta`
+(its data pipeline position and RNG state). `put` hands a part to the keeper of the caller's node;
 `complete_steps` says which steps have every rank's part somewhere (a keeper's memory or the
 persisted copy); `fetch` brings one part back from the fastest copy: this node's keeper, another
 node's keeper (primary, then replica), then the persisted files (verified against their sha256).
@@ -91,7 +91,7 @@ class CheckpointStore:
     def put(self, step: int, rank: int, world_size: int, refs: dict[str, Any], nbytes: int,
             meta: dict[str, Any], persist: bool = True):
         """Hand part (step, rank) to this node's keeper: `refs` (objects the caller put) hold each
-        file's bytes, or a captured state dict as (skeleton, arrays) for the keeper to serialise;
+        file's bytes, or a captured state dict as (skeleton, arrays), which the keeper copies as is;
         `nbytes` is their size. Returns the keeper's answer as an ObjectRef: ray.get(...) returns
         once the keeper owns its copy (keep `refs` alive until then) and raises StoreFullError when
         the node's checkpoint budget would overflow. Replication and persistence (unless `persist`
@@ -117,7 +117,7 @@ class CheckpointStore:
 
     def flush(self, timeout_s: float = 600.0) -> dict[str, Any]:
         """Wait for the keepers' background replication and persistence of this run."""
-        errors, persisted = [], set()
+        errors, persisted, timings = [], set(), {}
         for node, keeper in live_keepers().items():
             try:
                 out = ray.get(keeper.flush.remote(self.run, timeout_s), timeout=timeout_s + QUERY_TIMEOUT_S)
@@ -126,7 +126,10 @@ class CheckpointStore:
                 continue
             errors += out["errors"]
             persisted.update(out["persisted"])
-        return {"errors": errors, "persisted": sorted(persisted)}
+            for what, (n, seconds) in out.get("timings", {}).items():  # where the keepers' time went
+                total = timings.setdefault(what, [0, 0.0])
+                total[0], total[1] = total[0] + n, total[1] + seconds
+        return {"errors": errors, "persisted": sorted(persisted), "timings": timings}
 
     def drop(self, *, rank: int | None = None, upto: int | None = None) -> int:
         """Free this run's in-memory parts (of `rank`, of steps <= `upto`) in every keeper, replicas
@@ -185,8 +188,11 @@ class CheckpointStore:
                 if all((s, r) in memory or r in on_disk.get(s, (0, set()))[1] for r in range(w))]
 
     def fetch(self, step: int, rank: int, into: str, select: Callable[[str], bool] | None = None,
-              holders: dict | None = None) -> Fetched:
+              holders: dict | None = None, memory: dict[str, Any] | None = None) -> Fetched:
         """Write part (step, rank)'s files (those `select` accepts) into `into` from the fastest copy.
+        With `memory`, a state dict held in a keeper is not written out: memory[its path] gets
+        the snapshot (skeleton, arrays: zero-copy views of the object store) and the file is left
+        empty (DeepSpeed looks for it; deepspeed_io.load serves it from memory).
         Raises CheckpointUnavailable (with every copy's reason) when none is usable."""
         holders = self.holders() if holders is None else holders
         here = _node_id()
@@ -208,7 +214,14 @@ class CheckpointStore:
                 path = os.path.join(into, rel)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "wb") as f:
-                    f.write(memoryview(value).cast("B"))
+                    if not isinstance(value, tuple):
+                        f.write(memoryview(value).cast("B"))
+                    elif memory is not None:
+                        memory[os.path.abspath(path)] = value
+                    else:
+                        from raylib.checkpoint.capture import save_file  # (torch: not at import)
+
+                        save_file(*value, f)
             return Fetched(c["meta"], c["world_size"], source)
         if self.persisted is not None:
             try:

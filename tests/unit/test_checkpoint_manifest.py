@@ -164,3 +164,85 @@ def test_deferred_capture_copies_off_the_training_path_and_the_fence_orders_the_
     assert back["module"]["w"] is back["module"]["tied"]
     assert torch.equal(back["optimizer"]["exp_avg"], torch.ones(3, 5, dtype=torch.bfloat16))
     assert back["step"] == 4
+
+
+def test_host_copy_put_takes_the_live_tensors_before_the_fence_or_falls_back_to_host_copies():
+    """With `put`, the copy thread hands the live tensors over (what the rank puts into the object
+    store: one copy) before the fence; if put raises, host copies are made as without it."""
+    import numpy as np
+    import torch
+
+    from raylib.checkpoint.capture import HostCopy, flatten, rebuild, to_arrays
+
+    weight = torch.arange(1 << 22, dtype=torch.float32)
+    taken = {}
+
+    def put():  # the object store's copy, as ray.put makes it
+        taken["arrays"] = [np.array(a) for a in to_arrays(flat.sources)]
+
+    flat = flatten({"module": {"w": weight, "strided": weight[::2]}}, defer=True)
+    copy = HostCopy([flat], put=put)
+    copy.fence()
+    weight.add_(1.0)
+    copy.wait()
+    assert copy.put_done and copy.put_error is None and flat.tensors == [None, None], "no host copy"
+    back = rebuild(flat.skeleton, taken["arrays"])
+    assert torch.equal(back["module"]["w"], torch.arange(1 << 22, dtype=torch.float32))
+    assert torch.equal(back["module"]["strided"], torch.arange(0, 1 << 22, 2, dtype=torch.float32))
+
+    def refuse():
+        raise RuntimeError("over budget")
+
+    flat = flatten({"w": weight}, defer=True)
+    copy = HostCopy([flat], put=refuse)
+    copy.fence()
+    weight.add_(1.0)
+    copy.wait()
+    assert not copy.put_done and "over budget" in str(copy.put_error)
+    assert torch.equal(flat.tensors[0], torch.arange(1 << 22, dtype=torch.float32) + 1)
+
+
+def test_for_load_serves_weights_as_views_and_copies_what_loaders_keep():
+    """A restore from memory: the module's weights view the (read-only) object-store buffers, since
+    load_state_dict copies them; optimizer state is copied once (torch optimizers update it in
+    place), tied tensors stay tied."""
+    import numpy as np
+    import torch
+
+    from raylib.checkpoint.capture import flatten, for_load, to_arrays
+
+    weight, moment = torch.arange(6.0), torch.ones(4)
+    flat = flatten({"module": {"w": weight}, "optimizer": {"exp_avg": moment, "tied": moment}, "step": 2})
+    arrays = [np.array(a) for a in to_arrays(flat.tensors)]
+    for a in arrays:
+        a.flags.writeable = False  # as ray.get returns them
+    state = for_load(flat.skeleton, arrays)
+    assert state["step"] == 2 and torch.equal(state["module"]["w"], torch.arange(6.0))
+    assert state["module"]["w"].data_ptr() == arrays[0].ctypes.data, "weights: a view, no copy"
+    exp_avg = state["optimizer"]["exp_avg"]
+    assert exp_avg is state["optimizer"]["tied"] and exp_avg.data_ptr() != arrays[1].ctypes.data
+    exp_avg.mul_(3)  # the optimizer's next step
+    assert np.frombuffer(arrays[1], dtype=np.float32).tolist() == [1.0] * 4, "the held copy is intact"
+
+
+def test_a_snapshot_is_persisted_as_deepspeeds_file_streamed_and_hashed_once(tmp_path):
+    """write_part of a snapshot (skeleton, arrays) writes torch.save's file straight into place;
+    the manifest's size and sha256 are those of the file (read_part verifies them)."""
+    import hashlib
+
+    import torch
+
+    from raylib.checkpoint.capture import flatten, to_arrays
+
+    flat = flatten({"module": {"w": torch.arange(1 << 20, dtype=torch.float32)}, "step": 5})
+    run = PersistedRun(str(tmp_path), "snap")
+    rel = "global_step5/mp_rank_00_model_states.pt"
+    manifest = run.write_part(5, 0, 1, {rel: (flat.skeleton, to_arrays(flat.tensors)), "latest": b"x"}, {})
+    path = tmp_path / "snap/step-00000005/rank-00000" / rel
+    data = path.read_bytes()
+    assert manifest["files"][rel] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert not [p for p in path.parent.iterdir() if ".partial-" in p.name]
+    run.read_part(5, 0, str(tmp_path / "back"))
+    loaded = torch.load(tmp_path / "back" / rel, weights_only=False)
+    assert loaded["step"] == 5
+    assert torch.equal(loaded["module"]["w"], torch.arange(1 << 20, dtype=torch.float32))

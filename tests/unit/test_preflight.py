@@ -184,7 +184,9 @@ def embedded(monkeypatch):
     import ray
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert not ray.is_initialized(), "the unit lane never connects to Ray"
+    # not connected: the check judges the embedded cluster a run would start (in a whole-suite
+    # run the integration tests, which run first, leave their driver connected)
+    ray.shutdown()
 
 
 def too_many(cores: int, **scaling) -> JobSpec:

@@ -58,14 +58,15 @@ def tiered_store(spec: JobSpec, index: DatasetIndex) -> TieredStore:
     return TieredStore(tiers, shards_from_index(index))
 
 
-IMPLICIT_TIER_SHARDS = 8  # shards per rank the implicit cache tier holds: the prefetch window
+IMPLICIT_TIER_SHARDS = 8  # shards per rank the implicit cache tier holds at least: the prefetch window
+IMPLICIT_TIER_BYTES = 2 * 1024**3  # ... and the whole dataset up to this size: later epochs copy nothing
 
 
 def with_reader_tiers(spec: JobSpec, index: DatasetIndex) -> JobSpec:
     """`spec` as the workers run it: the rank reader without tiers reads through one implicit
-    cache tier in the node's temp dir (a prefetch window of a few shards per rank), so reading,
-    decoding and masking overlap the step in the rank's own thread instead of in Ray Data tasks
-    that compete with training for the cores."""
+    cache tier in the node's temp dir (a prefetch window of a few shards per rank, or the whole
+    dataset when it is at most 2 GB), so reading, decoding and masking overlap the step in the
+    rank's own thread instead of in Ray Data tasks that compete with training for the cores."""
     if spec.data.reader != "rank" or spec.data.tiers:
         return spec
     import tempfile
@@ -74,8 +75,10 @@ def with_reader_tiers(spec: JobSpec, index: DatasetIndex) -> JobSpec:
 
     sharing = min(spec.world_size, spec.placement.ranks_per_node or spec.world_size)
     largest = max(int(s["bytes"]) for s in index.shards)
+    window = largest * IMPLICIT_TIER_SHARDS * sharing
+    whole = sum(int(s["bytes"]) for s in index.shards)
     tier = TierSpec(name="local", url=os.path.join(tempfile.gettempdir(), "raylib-cache"),
-                    capacity=largest * IMPLICIT_TIER_SHARDS * sharing)
+                    capacity=max(window, min(whole, IMPLICIT_TIER_BYTES)))
     spec = spec.model_copy(deep=True)
     spec.data.tiers = [tier]
     return spec

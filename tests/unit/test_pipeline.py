@@ -105,3 +105,24 @@ def test_a_hot_tier_smaller_than_a_shard_is_rejected_before_anything_runs(tiny_d
     spec = _spec(tiny_dataset, tmp_path, hot=100)
     with pytest.raises(ValueError, match=r"data.tiers: .*hot.*capacity 100 bytes is smaller than shard"):
         check_tiers(spec, index)
+
+
+def test_the_rank_reader_without_tiers_reads_through_one_implicit_local_tier(tiny_dataset):
+    import tempfile
+
+    from raylib.data.pipeline import IMPLICIT_TIER_SHARDS, with_reader_tiers
+
+    index = read_index(tiny_dataset)
+    spec = JobSpec.from_dict({"data": {"path": tiny_dataset, "manifest": None}})
+    run = with_reader_tiers(spec, index)
+    (tier,) = run.data.tiers
+    assert tier.url == f"{tempfile.gettempdir()}/raylib-cache" and not spec.data.tiers, "a copy"
+    whole = sum(int(s["bytes"]) for s in index.shards)
+    largest = max(int(s["bytes"]) for s in index.shards)
+    assert tier.capacity == max(whole, largest * IMPLICIT_TIER_SHARDS * 2)  # a small dataset: all of it
+    check_tiers(run, index)  # every rank's share holds a shard
+    ray_data = JobSpec.from_dict({"data": {"path": tiny_dataset, "manifest": None, "reader": "ray_data"}})
+    assert with_reader_tiers(ray_data, index).data.tiers == []
+    with pytest.raises(ValueError, match="data.tiers are read by the rank reader"):
+        JobSpec.from_dict({"data": {"reader": "ray_data",
+                                    "tiers": [{"name": "hot", "url": "/x", "capacity": "1MB"}]}})

@@ -5,7 +5,7 @@ micro-batch, steps and world size.
     python bench/wrapper_overhead.py --model bert-base --micro-batch 8 --steps 12
                                                          # the realistic size (closing note)
 
-(other flags: --rounds 2 --zero-stage 2 --workers 2). Run it on an otherwise idle machine.
+(other flags: --rounds 3 --zero-stage 2 --workers 2). Run it on an otherwise idle machine.
 
 The baseline, bench/bare_deepspeed.py, imports nothing from raylib: it is what a user writes by
 hand from DeepSpeed's docs (pyarrow into memory, numpy masking, DeepSpeed's defaults, DeepSpeed's
@@ -13,8 +13,8 @@ default optimizer implementation), run with `python -m torch.distributed.run --s
 raylib runs at the defaults a user gets from `raylib run` (plus the same model, micro-batch, ZeRO
 stage and steps) in two configurations: the default data path (no data.tiers) and one local
 cache tier (data.tiers: [{name: hot, url: <tmp>/hot, capacity: 256MB}], a fresh, cold directory
-every round). Each round runs raylib-default, raylib-tier and bare in turn, so that machine noise
-hits all three alike.
+every round). Each round runs the three in turn, in an order that rotates from round to round,
+so that machine noise and start-up order hit all three alike (use --rounds 3 or more).
 
 Throughput: samples/s over the steps after the first WARMUP_STEPS (median over rounds), from each
 run's step times. Prints JSON on stdout (nothing else): "targets" (the figures issue 11 checks,
@@ -107,7 +107,7 @@ def run_bare(args, spec: JobSpec, workdir: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--zero-stage", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
@@ -124,12 +124,16 @@ def main() -> None:
         build(DatasetManifest.load(MANIFEST), str(DATA), progress=False)
     rounds: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="raylib-bench-") as tmp:
+        runs = {
+            "raylib_default": lambda r: run_raylib(spec_for(args, tmp, f"default{r}")),
+            "raylib_tier": lambda r: run_raylib(spec_for(args, tmp, f"tier{r}", hot_dir=f"{tmp}/hot{r}")),
+            "bare": lambda r: run_bare(args, spec_for(args, tmp, f"bare{r}"), Path(tmp)),
+        }
         for r in range(args.rounds):
-            with contextlib.redirect_stdout(sys.stderr):
-                rounds["raylib_default"].append(run_raylib(spec_for(args, tmp, f"default{r}")))
-                rounds["raylib_tier"].append(
-                    run_raylib(spec_for(args, tmp, f"tier{r}", hot_dir=f"{tmp}/hot{r}")))
-            rounds["bare"].append(run_bare(args, spec_for(args, tmp, f"bare{r}"), Path(tmp)))
+            # the order rotates every round: no variant always runs first (or after the same one)
+            for variant in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+                with contextlib.redirect_stdout(sys.stderr):
+                    rounds[variant].append(runs[variant](r))
             print(f"round {r}: " + ", ".join(
                 f"{v} {rounds[v][-1]['samples_per_s']:.1f} samples/s" for v in VARIANTS),
                 file=sys.stderr)

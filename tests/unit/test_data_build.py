@@ -16,6 +16,7 @@ from raylib.data.build import (
     INDEX,
     SPECIAL_TOKENS,
     TOKENIZER,
+    WORDPIECE_SPECIAL,
     DatasetManifest,
     build,
     is_built,
@@ -24,8 +25,8 @@ from raylib.data.build import (
     train_tokenizer,
 )
 from raylib.data.corpus import BRANDS, KINDS, document
-from raylib.data.source import IGNORE_INDEX, MLMMasker
 from raylib.spec import parse_size
+from raylib.tasks import IGNORE_INDEX, MLMMasker
 
 pytestmark = pytest.mark.unit
 
@@ -85,6 +86,9 @@ def test_manifest_defaults():
     m = DatasetManifest(name="x")
     assert m.generator == "synthetic-ecommerce"
     assert set(m.mix) <= set(KINDS)
+    assert m.size == "4MB" and m.source is None and m.kind == "packed" and m.target is None
+    assert m.tokenizer.type == "wordpiece" and m.effective_vocab_size == 4000
+    assert m.validation is not None and m.validation.fraction == 0.05  # evaluation out of the box
 
 
 def test_manifest_unknown_key(tmp_path):
@@ -191,10 +195,16 @@ def test_index_lists_shards_with_matching_hashes(tiny_dir):
     assert meta["num_rows"] == index.num_rows > 0
     assert index.seq_len == manifest.seq_len
     assert len(index.shards) >= 2  # 160KB in 40KB shards
-    on_disk = sorted(p.name for p in tiny_dir.glob("*.parquet"))
+    on_disk = sorted(p.name for p in tiny_dir.glob("shard-*.parquet"))
     assert on_disk == sorted(s["path"] for s in index.shards)
+    assert sorted(p.name for p in tiny_dir.glob("validation-*.parquet")) == [
+        s["path"] for s in index.validation] != []
+    assert meta["format"] == 2 and index.kind == "packed" and index.columns == ["input_ids"]
+    assert index.label_names is None and index.tokenizer == {
+        "type": "wordpiece", "file": TOKENIZER, "source": None}
     assert not list(tiny_dir.glob("*.tmp"))  # atomic writes left nothing behind
-    for shard, url in zip(index.shards, index.shard_urls(), strict=True):
+    for shard, url in zip(index.shards + index.validation,
+                          index.shard_urls() + index.validation_urls(), strict=True):
         data = (tiny_dir / shard["path"]).read_bytes()
         assert hashlib.sha256(data).hexdigest() == shard["sha256"]
         assert len(data) == shard["bytes"]
@@ -209,15 +219,16 @@ def test_tokenizer_matches_the_index(tiny_dir):
     tok = Tokenizer.from_file(str(tiny_dir / TOKENIZER))
     assert tok.get_vocab_size() == index.vocab_size
     assert index.vocab_size <= DatasetManifest.load(TINY_MANIFEST).vocab_size
-    assert index.special_ids == {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    assert index.special_ids == {r: tok.token_to_id(t) for r, t in WORDPIECE_SPECIAL.items()}
+    assert index.special_ids == {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
     assert len(set(index.special_ids.values())) == len(SPECIAL_TOKENS)
 
 
 def test_every_row_is_cls_tokens_sep(tiny_dir):
     index = read_index(str(tiny_dir))
-    cls, sep = index.special_ids["[CLS]"], index.special_ids["[SEP]"]
-    pad, mask = index.special_ids["[PAD]"], index.special_ids["[MASK]"]
-    for shard in index.shards:
+    cls, sep = index.special_ids["cls"], index.special_ids["sep"]
+    pad, mask = index.special_ids["pad"], index.special_ids["mask"]
+    for shard in index.shards + index.validation:
         rows = shard_rows(tiny_dir, shard)
         assert rows.shape == (shard["rows"], index.seq_len)
         assert (rows[:, 0] == cls).all()
@@ -233,7 +244,7 @@ def test_rows_are_the_tokenized_corpus_in_order(tiny_dir):
     tok = Tokenizer.from_file(str(tiny_dir / TOKENIZER))
     manifest = DatasetManifest.load(TINY_MANIFEST)
     index = read_index(str(tiny_dir))
-    sep = index.special_ids["[SEP]"]
+    sep = index.special_ids["sep"]
     body = 2 * (index.seq_len - 2)
     stream: list[int] = []
     i = 0
@@ -250,7 +261,7 @@ def test_build_is_deterministic_given_the_tokenizer(tiny_dir, tmp_path, monkeypa
     from tokenizers import Tokenizer
 
     saved = Tokenizer.from_file(str(tiny_dir / TOKENIZER))
-    monkeypatch.setattr(build_mod, "train_tokenizer", lambda m: saved)
+    monkeypatch.setattr(build_mod, "train_tokenizer", lambda m, texts=None: saved)
     again = build(DatasetManifest.load(TINY_MANIFEST), str(tmp_path / "again"), progress=False)
     first = read_index(str(tiny_dir))
     assert [s["sha256"] for s in again.shards] == [s["sha256"] for s in first.shards]
@@ -290,7 +301,8 @@ def test_rebuild_with_force_rebuilds(tmp_path, monkeypatch):
     first = build(small_manifest(), str(out), progress=False)
     calls = []
     real = build_mod.train_tokenizer
-    monkeypatch.setattr(build_mod, "train_tokenizer", lambda m: calls.append(m) or real(m))
+    monkeypatch.setattr(build_mod, "train_tokenizer",
+                        lambda m, texts=None: calls.append(m) or real(m, texts))
     again = build(small_manifest(seed=4), str(out), force=True, progress=False)
     assert len(calls) == 1
     assert [s["sha256"] for s in again.shards] != [s["sha256"] for s in first.shards]
@@ -391,9 +403,9 @@ def test_masker_80_10_10(rows_and_index):
     selected = out["labels"] != IGNORE_INDEX
     k = int(selected.sum())
     after, before = out["input_ids"][selected], rows[selected]
-    to_mask = int((after == index.special_ids["[MASK]"]).sum())
+    to_mask = int((after == index.special_ids["mask"]).sum())
     unchanged = int((after == before).sum())
-    randomized = after[(after != before) & (after != index.special_ids["[MASK]"])]
+    randomized = after[(after != before) & (after != index.special_ids["mask"])]
     assert binomial_ok(to_mask, k, 0.8)
     same = 1 / (index.vocab_size - len(index.special_ids))  # a random draw of the same token
     assert binomial_ok(len(randomized), k, 0.1 * (1 - same))

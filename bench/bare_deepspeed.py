@@ -90,12 +90,13 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
 
     index, rows = load_rows(args.data, rank, world)
-    special = index["special_ids"]
+    special = index["special_ids"]  # by role ("pad", "mask"); an index before format 2: "[PAD]", "[MASK]"
+    special = {k.strip("[]").lower(): v for k, v in special.items()}
     special_ids = np.array(sorted(special.values()), dtype=np.int64)
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = BertForMaskedLM(BertConfig(
-        vocab_size=index["vocab_size"], pad_token_id=special["[PAD]"],
+        vocab_size=index["vocab_size"], pad_token_id=special["pad"],
         num_hidden_layers=args.num_hidden_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, intermediate_size=args.intermediate_size,
         max_position_embeddings=max(512, index["seq_len"]),
@@ -120,7 +121,7 @@ def main() -> None:
             order = rng.permutation(len(rows))
             for i in range(0, len(order) - micro + 1, micro):
                 inputs, labels = mask_tokens(rows[order[i:i + micro]], rng, index["vocab_size"],
-                                             special_ids, special["[MASK]"], args.mlm_probability)
+                                             special_ids, special["mask"], args.mlm_probability)
                 yield {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(labels),
                        "attention_mask": torch.ones_like(torch.from_numpy(inputs))}
 

@@ -67,13 +67,16 @@ def bench_loop(config: dict) -> dict | None:
     import torch.distributed as dist
 
     from raylib.checkpoint import deepspeed_io
+    from raylib.data.build import DatasetIndex
     from raylib.train.checkpointing import Checkpointer
-    from raylib.train.model import bert_config, build_model
+    from raylib.train.model import build_model
 
     spec = JobSpec.model_validate(config["spec"])
     torch.set_num_threads(1)
     memory = Checkpointer(spec, config["run_dir"])  # as the loop does: before the engine is built
-    model = build_model(bert_config(spec.model, VOCAB, SEQ), seed=0)
+    index = DatasetIndex(url="random-tokens", seq_len=SEQ, vocab_size=VOCAB, shards=[],
+                         special_ids={"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4})
+    model = build_model(spec, index, seed=0)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=config["ds_config"])
     gen = torch.Generator().manual_seed(dist.get_rank())

@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints on import
     from raylib import JobSpec  # noqa: E402
-from raylib.spec import MODEL_PRESETS  # noqa: E402
+from raylib.spec import MODEL_PRESETS, PRESET_FAMILIES  # noqa: E402
 from raylib.summary import WARMUP_STEPS  # noqa: E402
 
 DATA = REPO / ".raylib/data/ecommerce"
@@ -92,7 +92,7 @@ def run_bare(args, spec: JobSpec, workdir: Path) -> dict:
            "--intermediate-size", str(shape["intermediate_size"]),
            "--micro-batch", str(args.micro_batch), "--zero-stage", str(args.zero_stage),
            "--steps", str(args.steps), "--lr", str(opt.lr), "--seed", str(spec.run.seed),
-           "--mlm-probability", str(spec.data.mlm_probability), "--out", str(out)]
+           "--mlm-probability", str(spec.task.mlm_probability), "--out", str(out)]
     log = workdir / "bare.log"
     with open(log, "w") as f:
         proc = subprocess.run(cmd, env=env, cwd=workdir, stdout=f, stderr=subprocess.STDOUT)
@@ -112,7 +112,8 @@ def main() -> None:
     ap.add_argument("--zero-stage", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, default=16)
-    ap.add_argument("--model", default="bert-mini", choices=sorted(MODEL_PRESETS))
+    bert = sorted(p for p, family in PRESET_FAMILIES.items() if family == "bert")
+    ap.add_argument("--model", default="bert-mini", choices=bert)
     args = ap.parse_args()
 
     from raylib import runtime

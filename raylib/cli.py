@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p_build.add_argument("--force", action="store_true", help="rebuild even if already built")
 
     from raylib import doctor, submit  # light modules: Ray and friends are imported when used
+    from raylib import export as export_command
     from raylib.tune import command as tune_command
 
     submit.add_arguments(sub.add_parser("submit", help="run a JobSpec on a Ray cluster as a Ray job "
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                                         "GPUs, S3, tier dirs, topology labels"))
     tune_command.add_arguments(sub.add_parser("tune", help="autotune the training strategy (ZeRO "
                                               "stage, micro-batch, offload, precision ...) with Ray Tune"))
+    export_command.add_arguments(sub.add_parser("export", help="write a run's trained model as a Hugging "
+                                                "Face directory (safetensors + tokenizer)"))
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["storage", "serve"]:  # its own flags: raylib.data.s3server.main
@@ -78,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             return doctor.main(args)
         if args.command == "tune":
             return tune_command.main(args)
+        if args.command == "export":
+            return export_command.main(args)
         return _data_build(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"raylib: error: {e}", file=sys.stderr)
@@ -86,15 +91,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args) -> int:
     _driver_accelerator()
+    from raylib.data.build import is_built, read_index
     from raylib.spec import JobSpec, SpecError
+    from raylib.train.model import check_model, model_config
     from raylib.train.strategy import resolve_ds_config
 
     # Importing DeepSpeed prints to stdout; keep stdout for the report alone.
     with contextlib.redirect_stdout(sys.stderr):
         spec = JobSpec.from_yaml(args.config, overrides=args.overrides)
         try:
+            check_model(spec)  # family, its config's fields, the task (the data's part: at run)
+            if "://" not in spec.data.path and is_built(spec.data.path):  # no network in a dry run
+                model_config(spec, read_index(spec.data.path))
             ds_config = resolve_ds_config(spec)  # the checks DeepSpeed itself would make
-        except ValueError as e:
+        except (ValueError, FileNotFoundError) as e:
             raise SpecError(f"{args.config}: {e}") from None
     if args.dry_run:
         print("# resolved job spec")
@@ -181,9 +191,28 @@ def _data_build(args) -> int:
     from raylib.data.build import DatasetManifest, build
 
     index = build(DatasetManifest.load(args.manifest), args.out, force=args.force)
-    print(f"{len(index.shards)} shards, {index.num_rows} rows of {index.seq_len} tokens, "
-          f"vocabulary {index.vocab_size}: {args.out}")
+    labels = f", labels {index.label_names}" if index.label_names else ""
+    print(f"{index.kind}: {len(index.shards)} shards, {index.num_rows} rows of {index.seq_len} tokens "
+          f"(validation: {index.num_validation_rows} rows), vocabulary {index.vocab_size}{labels}: "
+          f"{args.out}")
     return 0
+
+
+def job_main(argv: list[str] | None, default_config: str, description: str) -> int:
+    """A thin task job in jobs/ (`python jobs/X.py --config C --set K=V`): `raylib run` with that
+    job's default config and no progress bar (a Ray job's log is not a terminal)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", default=default_config, help="JobSpec YAML")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a spec field")
+    parser.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or embedded)")
+    args = parser.parse_args(argv)
+    cli_args = ["run", args.config, "--no-progress"]
+    for item in args.overrides:
+        cli_args += ["--set", item]
+    if args.address:
+        cli_args += ["--address", args.address]
+    return main(cli_args)
 
 
 if __name__ == "__main__":

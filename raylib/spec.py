@@ -20,18 +20,52 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from raylib.fileio import load_yaml_mapping
 
-# BERT architecture presets (Turc et al. 2019 compact models, plus the original base/large).
-# Models are always built from a config: no weights are downloaded.
-MODEL_PRESETS: dict[str, dict[str, int]] = {
+# Architecture presets by family, from tiny (tests, demos) to the published sizes. A preset holds
+# fields of that family's transformers config class; models are always built from a config (or
+# loaded from a local/fsspec HF directory with model.pretrained): no weights are downloaded.
+PRESET_FAMILIES: dict[str, str] = {}
+MODEL_PRESETS: dict[str, dict[str, Any]] = {}
+
+
+def _presets(family: str, presets: dict[str, dict[str, Any]]) -> None:
+    for name, fields in presets.items():
+        PRESET_FAMILIES[name] = family
+        MODEL_PRESETS[name] = fields
+
+
+# BERT: Turc et al. 2019 compact models, plus the original base (110M) and large (335M)
+_presets("bert", {
     "bert-tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512),
     "bert-mini": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024),
     "bert-small": dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, intermediate_size=2048),
     "bert-medium": dict(num_hidden_layers=8, hidden_size=512, num_attention_heads=8, intermediate_size=2048),
     "bert-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
-    "bert-large": dict(
-        num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096
-    ),
-}
+    "bert-large": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16,
+                       intermediate_size=4096),
+})
+# GPT-2: the four published sizes (124M, 355M, 774M, 1.5B) and a tiny one
+_presets("gpt2", {
+    "gpt2-tiny": dict(n_layer=2, n_embd=128, n_head=2),
+    "gpt2-mini": dict(n_layer=4, n_embd=256, n_head=4),
+    "gpt2": dict(n_layer=12, n_embd=768, n_head=12),
+    "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16),
+    "gpt2-large": dict(n_layer=36, n_embd=1280, n_head=20),
+    "gpt2-xl": dict(n_layer=48, n_embd=1600, n_head=25),
+})
+# Llama: tiny shapes, TinyLlama-1.1B's and Llama-2-7B's
+_presets("llama", {
+    "llama-tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=344),
+    "llama-mini": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
+                       intermediate_size=688),
+    "llama-1b": dict(num_hidden_layers=22, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+                     intermediate_size=5632, max_position_embeddings=2048),
+    "llama-7b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
+                     intermediate_size=11008, max_position_embeddings=4096),
+})
+DEFAULT_PRESET = {"bert": "bert-tiny", "gpt2": "gpt2-tiny", "llama": "llama-tiny"}
+
+TASKS = ("masked_lm", "causal_lm", "sequence_classification", "token_classification")
 
 DEFAULT_MICRO_BATCH = 8
 
@@ -67,28 +101,76 @@ class _Section(BaseModel):
 
 
 class ModelSpec(_Section):
-    preset: str = "bert-tiny"
-    """Architecture preset: one of MODEL_PRESETS (bert-tiny ... bert-large)."""
+    family: str | None = None
+    """A transformers model type: bert, gpt2, llama (presets ship for these) or any other family
+    whose config and AutoModelFor* classes transformers provides (then give its fields in
+    `overrides`). None: the preset's family, or the pretrained model's."""
+    preset: str | None = None
+    """Architecture preset (MODEL_PRESETS): bert-tiny ... bert-large, gpt2-tiny ... gpt2-xl,
+    llama-tiny ... llama-7b. None: the family's tiny preset (bert-tiny without a family)."""
     overrides: dict[str, Any] = Field(default_factory=dict)
-    """BertConfig fields that override the preset, e.g. {num_hidden_layers: 4}."""
+    """Fields of the family's config class that override the preset, e.g. {num_hidden_layers: 4};
+    checked against that class (transformers' own config) before Ray starts."""
+    pretrained: str | None = None
+    """A local or fsspec HF model directory (config.json, safetensors weights): start from its
+    weights (from_pretrained). Its config is the architecture: no preset."""
 
     @field_validator("preset")
     @classmethod
-    def _known_preset(cls, v: str) -> str:
-        if v not in MODEL_PRESETS:
+    def _known_preset(cls, v: str | None) -> str | None:
+        if v is not None and v not in MODEL_PRESETS:
             raise ValueError(f"unknown model preset {v!r}; choose one of {sorted(MODEL_PRESETS)}")
         return v
 
-    @field_validator("overrides")
+    @field_validator("pretrained")
     @classmethod
-    def _known_overrides(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from transformers import BertConfig
+    def _resolved(cls, v: str | None) -> str | None:
+        return None if v is None else resolve_local(v)
 
-        allowed = set(BertConfig().to_dict())
-        unknown = sorted(set(v) - allowed)
-        if unknown:
-            raise ValueError(f"unknown BertConfig field(s) {unknown}; see transformers.BertConfig")
-        return v
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelSpec:
+        if self.pretrained is not None and self.preset is not None:
+            raise ValueError(f"model.preset {self.preset!r} and model.pretrained both given: a "
+                             "pretrained model's config is its architecture; remove model.preset")
+        if self.preset is not None and self.family is not None \
+                and PRESET_FAMILIES[self.preset] != self.family:
+            choices = sorted(p for p, f in PRESET_FAMILIES.items() if f == self.family)
+            raise ValueError(f"model.preset {self.preset!r} is a {PRESET_FAMILIES[self.preset]} preset, "
+                             f"not {self.family}; choose one of {choices or '(none: use overrides)'}")
+        return self
+
+    @property
+    def family_name(self) -> str | None:
+        """The model type (None: a pretrained model's, known once its config is read)."""
+        if self.family is not None:
+            return self.family
+        if self.pretrained is not None:
+            return None
+        return PRESET_FAMILIES[self.preset_name]
+
+    @property
+    def preset_name(self) -> str | None:
+        if self.pretrained is not None:
+            return None
+        if self.preset is not None:
+            return self.preset
+        return DEFAULT_PRESET.get(self.family or "bert")
+
+    def label(self) -> str:
+        """Short name for tables and reprs."""
+        return self.preset_name or (f"{self.family}" if not self.pretrained else
+                                    self.pretrained.rstrip("/").rsplit("/", 1)[-1])
+
+
+class TaskSpec(_Section):
+    type: Literal["masked_lm", "causal_lm", "sequence_classification", "token_classification"] = "masked_lm"
+    """What the model learns: masked_lm (BERT), causal_lm (GPT/Llama: shifted labels, packed
+    documents that never attend or predict across a boundary), sequence_classification (one label
+    per example), token_classification (one label per word)."""
+    num_labels: int | None = Field(None, ge=2)
+    """Classification: number of classes (None: the dataset's label count)."""
+    mlm_probability: float = Field(0.15, gt=0, lt=1)
+    """masked_lm: fraction of tokens selected for prediction."""
 
 
 def _size_field(v: Any, what: str) -> Any:
@@ -162,8 +244,6 @@ class DataSpec(_Section):
     relative local path is resolved against the submitting directory."""
     manifest: str | None = Field("datasets/ecommerce.yaml", validate_default=True)
     """Dataset manifest used to build `path` when it holds no shards yet (None: never build)."""
-    mlm_probability: float = Field(0.15, gt=0.0, lt=1.0)
-    """Fraction of tokens selected for masked-LM prediction (BERT: 0.15)."""
     shuffle_seed: int = 0
     """Seed of the per-epoch shuffle (of the shards' order, and of the rows without tiers)."""
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
@@ -352,6 +432,12 @@ class RunSpec(_Section):
     the latest checkpoint (in memory when checkpoint.in_memory). When they are used up the run
     fails with an error that says how many failures happened and where the last good checkpoint
     is. 0: fail at the first; -1: retry without limit."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate on the dataset's validation split every N steps (0: only at the end; no split: never).
+    Per-task metrics (LM: loss, perplexity; classification: accuracy, macro-F1) go to Ray Train,
+    summary.json and eval.png."""
+    eval_batches: int | None = Field(None, ge=1)
+    """Micro-batches per rank in one evaluation (None: the whole validation split)."""
     verify: bool = False
     """Hash the full (gathered) parameters on every rank at the end and after a restore, and
     record the digests in summary.json: proves replicas agree and a resume restored exactly.
@@ -363,6 +449,7 @@ class JobSpec(_Section):
 
     name: str = "bert-pretrain"
     model: ModelSpec = Field(default_factory=ModelSpec)
+    task: TaskSpec = Field(default_factory=TaskSpec)
     data: DataSpec = Field(default_factory=DataSpec)
     strategy: StrategySpec = Field(default_factory=StrategySpec)
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
@@ -426,7 +513,8 @@ class JobSpec(_Section):
     def __repr__(self) -> str:  # short and useful in notebooks
         s = self.strategy
         return (
-            f"JobSpec(name={self.name!r}, model={self.model.preset!r}, workers={self.world_size}, "
+            f"JobSpec(name={self.name!r}, model={self.model.label()!r}, task={self.task.type!r}, "
+            f"workers={self.world_size}, "
             f"zero={s.zero_stage}, precision={s.precision!r}, steps={self.run.steps})"
         )
 

@@ -30,8 +30,8 @@ class RunResult:
                 f"final_loss={s['final_loss']}, samples_per_s={s['samples_per_s']})")
 
     def table(self) -> str:
-        keys = ["steps", "start_step", "world_size", "zero_stage", "precision", "initial_loss",
-                "final_loss", "samples_per_s", "tokens_per_s", "step_time_s",
+        keys = ["model", "task", "steps", "start_step", "world_size", "zero_stage", "precision",
+                "initial_loss", "final_loss", "samples_per_s", "tokens_per_s", "step_time_s",
                 "data_wait_fraction", "checkpoint_uri", "wall_s"]
         width = max(map(len, keys))
         rows = [f"  {k:<{width}}  {_fmt(self.summary.get(k))}" for k in keys]
@@ -40,6 +40,10 @@ class RunResult:
             moved = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in data["bytes_moved"].items())
             rows.append(f"  {'tiers':<{width}}  shards read from {data['tier_hits']}; "
                         f"moved {moved or 'nothing'}; skipped {data['shards_skipped']}")
+        ev = self.summary.get("eval")
+        if ev:
+            line = ", ".join(f"{k.removeprefix('eval_')} {_fmt(v)}" for k, v in ev.items() if k != "step")
+            rows.append(f"  {'validation':<{width}}  step {ev['step']}: {line}")
         ckpt = self.summary.get("checkpoint")
         if ckpt:
             rows.append(f"  {'checkpoints':<{width}}  {_checkpoint_line(ckpt)}")
@@ -72,6 +76,8 @@ def summarize(spec, history: RunHistory, index, ds_config: dict[str, Any],
     digests = history.param_digests
     summary = {
         "name": spec.name,
+        "model": spec.model.label(),
+        "task": spec.task.type,
         "steps": history.end_step,
         "start_step": history.start_step,
         "world_size": spec.world_size,
@@ -95,15 +101,19 @@ def summarize(spec, history: RunHistory, index, ds_config: dict[str, Any],
         "rank_nodes": history.rank_nodes,
         "planned_nodes": history.planned_nodes,
         "preemptions": history.preemptions,
+        "peak_memory_bytes": history.peak_memory_bytes,
         "wall_s": wall_s,
         "data": data_summary(history.data_ranks, history.data_wait_s, loop_s),
         "checkpoint": history.checkpoint or None,
+        "eval": history.evals[-1] if history.evals else None,
+        "evals": history.evals,
         "loss_curve": losses,
     }
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if losses:
-        plot_loss(losses, history.start_step, run_dir / "loss.png", title=spec.name)
+        plot_loss(losses, history.start_step, run_dir / "loss.png", title=spec.name,
+                  task=spec.task.type, evals=history.evals)
     if history.data_timeline:
         plot_tiers(history.data_timeline, run_dir / "data_tiers.png", title=spec.name)
     return RunResult(summary=summary, run_dir=run_dir)
@@ -156,16 +166,31 @@ def plot_tiers(timeline: list[dict[str, Any]], path: Path, title: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def plot_loss(losses: list[float], start_step: int, path: Path, title: str) -> None:
+def plot_loss(losses: list[float], start_step: int, path: Path, title: str, task: str = "masked_lm",
+              evals: list[dict[str, float]] | None = None) -> None:
+    """The training loss per step with the validation loss beside it, and the task's other
+    evaluation metrics (accuracy, macro-F1, perplexity) in a second panel when there are any."""
     # A bare Figure (no pyplot): no global backend switch inside a user's notebook kernel.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6, 3.5))
+    others = sorted({k for e in evals or [] for k in e} - {"step", "eval_loss"})
+    fig = Figure(figsize=(6, 5.5 if others else 3.5))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.plot(range(start_step + 1, start_step + len(losses) + 1), losses)
-    ax.set(xlabel="optimizer step", ylabel="masked-LM loss (mean over ranks)", title=title)
+    ax, *rest = fig.subplots(2 if others else 1, 1, sharex=True, squeeze=False)[:, 0]
+    ax.plot(range(start_step + 1, start_step + len(losses) + 1), losses, label="train")
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["eval_loss"] for e in evals], "o-", label="validation")
+        ax.legend(fontsize=8)
+    ax.set(ylabel=f"{task} loss (mean over ranks)", title=title)
+    for metrics in rest:
+        for k in others:
+            metrics.plot([e["step"] for e in evals], [e[k] for e in evals], "o-",
+                         label=k.removeprefix("eval_"))
+        metrics.set(ylabel="validation")
+        metrics.legend(fontsize=8)
+        metrics.grid(alpha=0.3)
+    (rest[-1] if rest else ax).set(xlabel="optimizer step")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

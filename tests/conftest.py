@@ -19,3 +19,20 @@ def tiny_dataset(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("data") / "ecommerce-tiny"
     build(DatasetManifest.load(REPO / "datasets" / "ecommerce-tiny.yaml"), str(out), progress=False)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def built_dataset(tmp_path_factory):
+    """built_dataset("ecommerce-gpt") -> the URL of datasets/<name>.yaml built once per session."""
+    from raylib.data.build import DatasetManifest, build
+
+    urls: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in urls:
+            out = tmp_path_factory.mktemp("data") / name
+            build(DatasetManifest.load(REPO / "datasets" / f"{name}.yaml"), str(out), progress=False)
+            urls[name] = str(out)
+        return urls[name]
+
+    return get

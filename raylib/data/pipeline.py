@@ -1,10 +1,11 @@
-"""One rank's data path over the tiers: planned shard order -> prefetcher -> rows -> masked batches.
+"""One rank's data path over the tiers: planned shard order -> prefetcher -> rows -> task batches.
 
 Every rank knows its whole future (`planner.rank_sequence`: seeded, independent of timing), so a
 `Prefetcher` moves shards cold -> warm -> hot ahead of it and evicts by Belady. A background
 thread reads each hot copy (parquet, local), shuffles its rows with a per-(seed, epoch, shard)
-permutation, applies the MLM masking and queues ready torch micro-batches, so read, preprocess
-and the training step overlap; the step only waits when the queue is empty.
+permutation, has the task prepare them (masking, shifting, ...) and queues ready torch
+micro-batches, so read, preprocess and the training step overlap; the step only waits when the
+queue is empty.
 
 Why not Ray Data's executor here: it schedules read tasks on its own (any node, any order), so
 it cannot follow a per-rank plan in which a shard is in the hot tier only for the window the
@@ -31,7 +32,6 @@ import numpy as np
 
 from raylib.data.planner import Access, rank_sequence
 from raylib.data.prefetch import Prefetcher
-from raylib.data.source import MLMMasker
 from raylib.data.tiers import TieredStore, shards_from_index
 from raylib.spec import TierSpec
 
@@ -105,19 +105,23 @@ def check_tiers(spec: JobSpec, index: DatasetIndex) -> None:
 
 
 class TieredPipeline:
-    """Endless masked-LM micro-batches for one rank, starting after `rows_done` rows.
+    """Endless micro-batches of `task`'s model inputs for one rank, starting after `rows_done` rows.
 
     `local_ranks`: ranks sharing this node's tiers; each plans with an equal share of them.
     """
 
     def __init__(self, spec: JobSpec, index: DatasetIndex, *, rank: int, world_size: int,
                  micro_batch: int, rows_needed: int, rows_done: int = 0, local_ranks: int = 1,
-                 device: Any = None, queue_batches: int = 4):
+                 device: Any = None, queue_batches: int = 4, task=None):
         self.index = index
         self.micro = micro_batch
         self.device = device
         self.seed = spec.data.shuffle_seed
-        self.masker = MLMMasker(index, spec.data.mlm_probability, seed=spec.run.seed)
+        if task is None:
+            from raylib.tasks import task_for
+
+            task = task_for(spec, index)
+        self.task = task
         self.store = tiered_store(spec, index)
         self.rows = {s["path"]: int(s["rows"]) for s in index.shards}
         self.accesses = self._sequence(world_size, rank, rows_needed)
@@ -195,30 +199,32 @@ class TieredPipeline:
             rows_done -= n
         raise ValueError(f"cannot resume after {self.rows_done} rows: the planned sequence holds fewer")
 
-    def _rows(self, access: Access, path: str) -> np.ndarray:
-        import pyarrow.parquet as pq
+    def _rows(self, access: Access, path: str) -> dict[str, np.ndarray]:
+        from raylib.train.evaluate import read_rows
 
-        col = pq.read_table(path, columns=["input_ids"]).column("input_ids").combine_chunks()
-        ids = col.flatten().to_numpy().astype(np.int64).reshape(len(col), -1)  # packed: fixed length
+        rows = read_rows([path], self.task.columns, {})  # list columns are fixed length: 2-D
+        n = len(rows["input_ids"])
         rng = np.random.default_rng([self.seed, access.epoch, zlib.crc32(access.shard.encode())])
-        return ids[rng.permutation(len(ids))]
+        order = rng.permutation(n)
+        return {k: v[order] for k, v in rows.items()}
 
     def _produce(self) -> None:
         import torch
 
-        carry = np.empty((0, self.index.seq_len), dtype=np.int64)
+        carry: dict[str, np.ndarray] | None = None
         try:
             for access, path in self.prefetcher:
                 rows = self._rows(access, path)
                 if self._skip_rows:
-                    rows, self._skip_rows = rows[self._skip_rows:], 0
+                    rows, self._skip_rows = {k: v[self._skip_rows:] for k, v in rows.items()}, 0
                 self._record(access)
-                carry = np.concatenate([carry, rows])
-                while len(carry) >= self.micro:
-                    batch, carry = carry[: self.micro], carry[self.micro:]
-                    masked = self.masker({"input_ids": batch})
+                carry = rows if carry is None else {k: np.concatenate([carry[k], v]) for k, v in rows.items()}
+                while len(carry["input_ids"]) >= self.micro:
+                    batch = {k: v[: self.micro] for k, v in carry.items()}
+                    carry = {k: v[self.micro:] for k, v in carry.items()}
+                    prepared = self.task.prepare(batch)
                     item = {k: torch.from_numpy(v).to(self.device) if self.device is not None
-                            else torch.from_numpy(v) for k, v in masked.items()}
+                            else torch.from_numpy(v) for k, v in prepared.items()}
                     if not self._put(item):
                         return
                 if self._stop.is_set():

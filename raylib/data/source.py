@@ -1,16 +1,14 @@
-"""The Ray Data path (no data.tiers): built parquet shards -> a Ray Dataset of masked-LM batches.
+"""The Ray Data path (data.reader: ray_data): built parquet shards -> a Ray Dataset of the task's
+model inputs.
 
-`training_dataset(spec)` is the Dataset that Ray Train splits across the workers, with
-`input_ids`, `labels` and `attention_mask` columns. (With tiers, every rank reads its planned
-shards itself: raylib.data.pipeline.)
+`training_dataset(spec)` is the Dataset that Ray Train splits across the workers, its columns the
+task's inputs (input_ids, labels, ...). (The rank reader, data.pipeline, reads its planned shards
+itself.)
 """
 
 from __future__ import annotations
 
-import zlib
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from raylib.data.build import DatasetIndex, read_index
 
@@ -18,42 +16,6 @@ if TYPE_CHECKING:
     import ray.data
 
     from raylib.spec import JobSpec
-
-IGNORE_INDEX = -100  # label of tokens that are not predicted (HF convention)
-
-
-class MLMMasker:
-    """BERT masking (80% [MASK], 10% random token, 10% unchanged) as a Ray Data batch UDF.
-
-    The random draw is seeded by the batch's content and `seed`, so the masks are the same no
-    matter which Ray task processes which block, or in which order.
-    """
-
-    def __init__(self, index: DatasetIndex, mlm_probability: float, seed: int):
-        self.p = mlm_probability
-        self.seed = seed
-        self.vocab_size = index.vocab_size
-        self.mask_id = index.special_ids["[MASK]"]
-        self.special = np.array(sorted(index.special_ids.values()), dtype=np.int64)
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        ids = np.stack(batch["input_ids"]).astype(np.int64) if batch["input_ids"].dtype == object \
-            else np.asarray(batch["input_ids"], dtype=np.int64)
-        rng = np.random.default_rng([self.seed, zlib.crc32(ids.tobytes())])
-        selectable = ~np.isin(ids, self.special)
-        selected = (rng.random(ids.shape) < self.p) & selectable
-        labels = np.where(selected, ids, IGNORE_INDEX)
-        roll = rng.random(ids.shape)
-        masked = ids.copy()
-        masked[selected & (roll < 0.8)] = self.mask_id
-        randomize = selected & (roll >= 0.8) & (roll < 0.9)
-        masked[randomize] = rng.integers(len(self.special), self.vocab_size, randomize.sum())
-        return {
-            "input_ids": masked,
-            "labels": labels,
-            "attention_mask": np.ones_like(ids),
-        }
-
 
 def training_dataset(spec: JobSpec, index: DatasetIndex | None = None) -> ray.data.Dataset:
     """The Ray Dataset that Ray Train splits across the workers.
@@ -64,19 +26,21 @@ def training_dataset(spec: JobSpec, index: DatasetIndex | None = None) -> ray.da
     import pyarrow as pa
     import ray.data
 
+    from raylib.tasks import task_for
+
     index = index or read_index(spec.data.path)
+    task = task_for(spec, index)
     ray.data.DataContext.get_current().enable_progress_bars = False  # the trainer shows progress
     paths, filesystem = _arrow_paths(index)
     try:
-        ds = ray.data.read_parquet(paths, filesystem=filesystem)
+        ds = ray.data.read_parquet(paths, filesystem=filesystem, columns=task.columns)
     except (OSError, pa.ArrowInvalid) as e:
         problems = shard_problems(index, spec.data.storage_options, footers=True)
         if problems:
             raise CorruptShard(corrupt_shard_message(index.url, problems, spec.data.manifest)) from e
         raise
     ds = ds.randomize_block_order(seed=spec.data.shuffle_seed)
-    masker = MLMMasker(index, spec.data.mlm_probability, seed=spec.run.seed)
-    return ds.map_batches(masker, batch_format="numpy")
+    return ds.map_batches(task.prepare, batch_format="numpy")
 
 
 def _arrow_paths(index: DatasetIndex):
@@ -112,7 +76,7 @@ def shard_problems(index: DatasetIndex, storage_options: dict[str, Any] | None =
     fs.invalidate_cache(root)
     sizes = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in fs.ls(root, detail=True)}
     problems = []
-    for shard in index.shards:
+    for shard in [*index.shards, *index.validation]:
         name, want = shard["path"], shard.get("bytes")
         size = sizes.get(name) if "/" not in name else _size(fs, f"{root}/{name}")
         if size is None:

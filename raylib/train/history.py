@@ -35,6 +35,10 @@ class RunHistory:
     preempted: bool = False
     """This fit stopped because the gang scheduler asked for its accelerators back."""
     preemptions: int = 0
+    peak_memory_bytes: list[int] | None = None
+    """Per rank: peak GPU memory allocated, or on CPU the worker process's peak RSS."""
+    evals: list[dict[str, float]] = field(default_factory=list)
+    """Evaluations on the validation split: {"step": n, "eval_loss": ..., ...} (task's metrics)."""
     planned_nodes: list[str] | None = None
     """Where the gang scheduler planned each rank (None without placement.gang)."""
 
@@ -53,4 +57,4 @@ class RunHistory:
             step_times=[x for p in parts for x in p.step_times],
             data_wait_s=sum(p.data_wait_s for p in parts),
             checkpoint_s=sum(p.checkpoint_s for p in parts),
-            loop_s=sum(p.loop_s for p in parts))
+            loop_s=sum(p.loop_s for p in parts), evals=[e for p in parts for e in p.evals])

@@ -30,20 +30,22 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     import torch
     import torch.distributed as dist
 
+    from raylib.data.build import DatasetIndex
     from raylib.spec import JobSpec
-    from raylib.train.model import bert_config, build_model
+    from raylib.tasks import task_for
+    from raylib.train.evaluate import Evaluator, probe
+    from raylib.train.model import build_model
 
     spec = JobSpec.model_validate(config["spec"])
+    index = DatasetIndex(**config["index"])
+    task = task_for(spec, index)
     ds_config = config["ds_config"]
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     torch.set_num_threads(max(1, int(spec.scaling.cpus_per_worker)))
 
     checkpointer = checkpointing.Checkpointer(spec, config["run_dir"])  # first: it connects meanwhile
-    model = build_model(
-        bert_config(spec.model, config["vocab_size"], config["seq_len"], config["pad_id"]),
-        seed=spec.run.seed,
-    )
+    model = build_model(spec, index, seed=spec.run.seed)
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config
     )
@@ -59,11 +61,18 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     rows_per_step = accum * micro
     pipeline = None
     if spec.data.tiers:
-        pipeline = _tiered_pipeline(spec, config, ctx, micro, rows_per_step, start, state, engine.device)
+        pipeline = _tiered_pipeline(spec, task, index, ctx, micro, rows_per_step, start, state,
+                                    engine.device)
         batches = iter(pipeline)
     else:
         batches = _batches(ray.train.get_dataset_shard("train"), micro, engine.device,
                            spec.data.prefetch_batches)
+    evaluator = Evaluator(task, index, spec.data.storage_options, rank=rank,
+                          world_size=ctx.get_world_size(), micro_batch=micro,
+                          max_batches=spec.run.eval_batches, device=engine.device) \
+        if index.validation else None
+    evals: list[dict[str, float]] = []
+    first_batch = None
 
     preempt_probe = _preempt_probe(config.get("gang"), rank, engine.device)
     preempted = False
@@ -78,6 +87,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
             tw = time.perf_counter()
             batch = next(batches)
             data_wait += time.perf_counter() - tw
+            if first_batch is None and verify:
+                first_batch = {k: v.clone() for k, v in batch.items()}
             loss = engine(**batch).loss
             engine.backward(loss)
             checkpointer.fence()
@@ -90,6 +101,11 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         metrics = {"step": done, "loss": losses[-1], "lr": engine.get_lr()[0],
                    "samples_per_s": global_batch / step_times[-1],
                    "data_wait_fraction": data_wait / (time.perf_counter() - loop_start)}
+        if evaluator and _eval_due(spec, done):
+            te = time.perf_counter()
+            metrics.update(evaluator(engine))
+            evals.append({"step": done, **{k: v for k, v in metrics.items() if k.startswith("eval_")}})
+            loop_start += time.perf_counter() - te  # evaluation is not training time
         # a preempted job checkpoints here and stops; the driver waits for its gang again
         preempted = preempt_probe is not None and done < spec.run.steps and \
             done % spec.run.log_every == 0 and preempt_probe()
@@ -97,7 +113,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
             tc = time.perf_counter()
             checkpointer.save(engine, done, metrics, _client_state(pipeline, on_gpu))
             checkpoint_s += time.perf_counter() - tc
-        elif done % spec.run.log_every == 0:
+        elif done % spec.run.log_every == 0 or (evals and evals[-1]["step"] == done):
             ray.train.report(metrics)
         if preempted:
             break
@@ -116,7 +132,12 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     node = ray.get_runtime_context().get_node_id()
     data_brief = {k: v for k, v in data_metrics.items() if k != "timeline"} if data_metrics else None
     digest = _parameter_digest(engine, spec.strategy.zero_stage) if verify else None
-    dist.all_gather_object(ranks, (digest, node, data_brief))
+    if verify and first_batch is not None:
+        probed = probe(engine, evaluator, first_batch)  # a collective under ZeRO-3
+        if rank == 0:
+            os.makedirs(os.path.join(config["run_dir"], "verify"), exist_ok=True)
+            torch.save(probed, os.path.join(config["run_dir"], "verify", "probe.pt"))
+    dist.all_gather_object(ranks, (digest, node, data_brief, _peak_memory(on_gpu)))
     if rank != 0:
         return None
     return RunHistory(
@@ -126,17 +147,28 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         param_digests=[r[0] for r in ranks] if verify else None, restored_param_digest=restored_digest,
         data_ranks=[r[2] for r in ranks] if data_metrics else None,
         data_timeline=data_metrics["timeline"] if data_metrics else None,
-        checkpoint=checkpointer.metrics(), preempted=preempted,
+        checkpoint=checkpointer.metrics(), preempted=preempted, evals=evals,
+        peak_memory_bytes=[r[3] for r in ranks],
     )
 
 
-def _tiered_pipeline(spec, config, ctx, micro, rows_per_step, start, state, device):
+def _peak_memory(on_gpu: bool) -> int:
+    """This rank's peak memory: the GPU's allocated peak, or on CPU the process's peak RSS."""
+    import resource
+
+    import torch
+
+    if on_gpu:
+        return int(torch.cuda.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _tiered_pipeline(spec, task, index, ctx, micro, rows_per_step, start, state, device):
     """This rank's planned data path, positioned after the rows the restored steps consumed."""
-    from raylib.data.build import DatasetIndex
     from raylib.data.pipeline import TieredPipeline
 
     pipeline = TieredPipeline(
-        spec, DatasetIndex(**config["index"]), rank=ctx.get_world_rank(),
+        spec, index, task=task, rank=ctx.get_world_rank(),
         world_size=ctx.get_world_size(), micro_batch=micro,
         rows_needed=spec.run.steps * rows_per_step, rows_done=start * rows_per_step,
         local_ranks=ctx.get_local_world_size(), device=device, queue_batches=spec.data.prefetch_batches)
@@ -202,6 +234,11 @@ def _preempt_probe(gang: dict[str, str] | None, rank: int, device):
         return bool(flag.item())
 
     return probe
+
+
+def _eval_due(spec, done: int) -> bool:
+    every = spec.run.eval_every
+    return (every and done % every == 0) or done == spec.run.steps
 
 
 def _checkpoint_due(spec, done: int) -> bool:

@@ -40,6 +40,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     from raylib.data.pipeline import check_tiers, with_reader_tiers
     from raylib.data.source import training_dataset
     from raylib.train.loop import worker_loop
+    from raylib.train.model import model_config
     from raylib.train.progress import ProgressBar
     from raylib.train.strategy import resolve_ds_config
 
@@ -54,6 +55,11 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
             )
         build(DatasetManifest.load(spec.data.manifest), spec.data.path, progress=progress)
     index = read_index(spec.data.path)
+    config = model_config(spec, index)  # family, overrides, task and data checked against each other
+    if spec.run.eval_every and not index.validation:
+        log.warning("run.eval_every=%d but the dataset at %s has no validation split: no evaluation "
+                    "(give its manifest a `validation:` and rebuild with --force)",
+                    spec.run.eval_every, spec.data.path)
     ds_config = resolve_ds_config(spec)  # the one resolution (CPU shape; GPU adjusts the optimizer)
     _check_data_fits(spec, index, ds_config["train_micro_batch_size_per_gpu"])
     user_spec, spec = spec, with_reader_tiers(spec, index)  # the workers run the second
@@ -74,6 +80,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.yaml").write_text(user_spec.to_yaml())
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+    config.save_pretrained(run_dir / "model")  # the architecture, for `raylib export` and readers
 
     worker_spec = spec.model_copy(deep=True)
     worker_spec.strategy.deepspeed_config = ds_config  # workers need no access to the driver's files
@@ -81,9 +88,6 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
         "spec": worker_spec.model_dump(mode="json"),
         "ds_config": ds_config,
         "on_gpu": on_gpu,
-        "vocab_size": index.vocab_size,
-        "seq_len": index.seq_len,
-        "pad_id": index.special_ids["[PAD]"],
         "run_dir": str(run_dir),
         "index": dataclasses.asdict(index),
     }
@@ -122,7 +126,8 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
                     # with tiers every rank reads its planned shards itself (data.pipeline)
                     datasets=None if spec.data.tiers else {"train": training_dataset(spec, index)},
                 )
-                log.info("training %r on %d worker(s) (%s, ZeRO-%d)", spec.name, spec.world_size,
+                log.info("training %r (%s, %s) on %d worker(s) (%s, ZeRO-%d)", spec.name,
+                         spec.model.label(), spec.task.type, spec.world_size,
                          "GPU/NCCL" if on_gpu else "CPU/gloo", spec.strategy.zero_stage)
                 if reservation:
                     reservation.handoff()  # its accelerators go to the workers created now

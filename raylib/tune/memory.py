@@ -9,7 +9,8 @@ Per worker (rank), at world size N, for a model of P parameters:
   largest module, twice for prefetch). Offload moves optimizer states (and ZeRO-1/2's fp32
   gradient partition), or ZeRO-3's parameter partition, to host memory.
 - activations per micro-batch (Korthikanti et al. 2022, eq. 1: s*b*h*(34 + 5*a*s/h) bytes per
-  layer in 16 bits, twice that in fp32), plus the MLM logits and their gradient (fp32).
+  layer in 16 bits, twice that in fp32; the MLP's 16*s*b*h scaled to its real width), plus the
+  logits and their gradient (fp32: the vocabulary for language models, the labels for classifiers).
 - ZeRO-1/2's gradient reduction buffer (reduce_bucket_size elements, doubled by overlap_comm:
   DeepSpeed allocates it whole), and a fixed runtime overhead per process.
 """
@@ -33,7 +34,10 @@ class ModelShape:
     layers: int
     hidden: int
     heads: int
+    intermediate: int
+    """The MLP's inner width (4 x hidden for BERT and GPT-2, ~2.7 x for Llama's SwiGLU)."""
     vocab: int
+    """Width of the output logits: the vocabulary for language models, the labels for classifiers."""
     seq_len: int
 
 
@@ -52,21 +56,28 @@ class Budget:
     """Per worker share of host memory for offloaded states (GPU clusters)."""
 
 
-def model_shape(model_spec, vocab_size: int, seq_len: int, pad_id: int = 0) -> ModelShape:
-    """Exact parameter counts from the real HF model built on the meta device (no memory used)."""
+def model_shape(spec, index) -> ModelShape:
+    """Exact parameter counts from the job's real HF model built on the meta device (no memory
+    used); any family: the layer geometry is read through transformers' standard config names."""
     import torch
-    from transformers import BertForMaskedLM
 
-    from raylib.train.model import bert_config
+    from raylib.tasks import task_for
+    from raylib.train.model import build_model, model_config
 
-    config = bert_config(model_spec, vocab_size, seq_len, pad_id)
+    config = model_config(spec, index)
+    if spec.model.pretrained is not None:  # its architecture, not its weights
+        bare = spec.model.model_copy(update={"pretrained": None, "family": config.model_type})
+        spec = spec.model_copy(update={"model": bare})
     with torch.device("meta"):
-        model = BertForMaskedLM(config)
+        model = build_model(spec, index, seed=0, config=config)
     params = sum(p.numel() for p in model.parameters())
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return ModelShape(params=params, largest_module_params=largest,
-                      layers=config.num_hidden_layers, hidden=config.hidden_size,
-                      heads=config.num_attention_heads, vocab=vocab_size, seq_len=seq_len)
+    hidden = config.hidden_size
+    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    lm = task_for(spec, index).kind == "packed"
+    return ModelShape(params=params, largest_module_params=largest, layers=config.num_hidden_layers,
+                      hidden=hidden, heads=config.num_attention_heads, intermediate=inner,
+                      vocab=index.vocab_size if lm else config.num_labels, seq_len=index.seq_len)
 
 
 def estimate(shape: ModelShape, strategy, world: int, on_gpu: bool) -> MemoryEstimate:
@@ -105,7 +116,8 @@ def estimate(shape: ModelShape, strategy, world: int, on_gpu: bool) -> MemoryEst
 def _activations(shape: ModelShape, s) -> int:
     b, sl, h, a = s.micro_batch_size, shape.seq_len, shape.hidden, shape.heads
     half_bytes = 1 if s.precision in ("fp16", "bf16") else 2  # the formula counts 16-bit bytes
-    per_layer = sl * b * h * (34 + 5 * a * sl / h) * half_bytes
+    # Korthikanti's 34*s*b*h assumes a 4h MLP (16 of the 34); the MLP's share scales with its width
+    per_layer = sl * b * (18 * h + 4 * shape.intermediate + 5 * a * sl) * half_bytes
     logits = 2 * 4 * sl * b * shape.vocab
     return int(shape.layers * per_layer + logits)
 

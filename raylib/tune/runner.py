@@ -101,7 +101,7 @@ def _search_space(spec: JobSpec, base: dict[str, Any], settings: TuneSpec, globa
     from raylib.tune.search import prior_order
     from raylib.tune.space import candidates
 
-    shape = memory.model_shape(spec.model, index.vocab_size, index.seq_len, index.special_ids["[PAD]"])
+    shape = memory.model_shape(spec, index)
     hardware = memory.detect(spec, shape, on_gpu, settings.budget_bytes())
     cands = candidates(base, settings, global_batch, hardware)
     runnable = prior_order([c.config for c in cands if c.status == "candidate"],

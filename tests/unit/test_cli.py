@@ -118,6 +118,13 @@ def test_bad_config_exits_2_with_the_error_on_stderr(tmp_path, capsys):
         (["--set", "scaling.num_workers=3", "--set", "strategy.global_batch_size=10"],
          "strategy.global_batch_size=10 is not divisible by micro_batch_size x num_workers = "
          "8 x 3"),
+        # checked against the family's own config class and the task's families, before Ray
+        (["--set", "model.overrides={num_layers: 3}"], "unknown BertConfig field(s) ['num_layers']"),
+        (["--set", "model.preset=null", "--set", "model.family=gpt2"],
+         "task.type masked_lm cannot be done by model family 'gpt2'"),
+        (["--set", "model.preset=null", "--set", "model.family=bertt"], "unknown model.family 'bertt'"),
+        (["--set", "model.preset=null", "--set", "model.pretrained=/nonexistent/model"],
+         "is not a directory"),
     ],
 )
 def test_bad_overrides_exit_2(argv_tail, fragment, capsys):
@@ -150,8 +157,10 @@ def test_data_build_through_the_cli(tmp_path, capsys):
     from raylib.data.build import read_index
 
     index = read_index(str(out))
-    assert printed.strip() == (f"{len(index.shards)} shards, {index.num_rows} rows of 16 tokens, "
-                               f"vocabulary {index.vocab_size}: {out}")
+    assert printed.strip() == (
+        f"packed: {len(index.shards)} shards, {index.num_rows} rows of 16 tokens (validation: "
+        f"{index.num_validation_rows} rows), vocabulary {index.vocab_size}: {out}")
+    assert index.num_validation_rows > 0  # synthetic corpora get a held-out split by default
 
 
 def test_usage_errors_exit_2(capsys):
@@ -192,10 +201,12 @@ def test_dry_run_stdout_is_only_the_report(dash_m_dry_run):
     assert dash_m_dry_run.stdout.startswith(SPEC_HEADER)
 
 
-def test_pretrain_bert_job_forwards_to_the_cli(monkeypatch):
+@pytest.mark.parametrize(("job", "default"), [("pretrain_bert", "demo"), ("pretrain_gpt", "gpt_demo"),
+                                              ("finetune_classifier", "sentiment")])
+def test_task_jobs_forward_to_the_cli(job, default, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))  # the script prepends the checkout
-    script = REPO / "jobs" / "pretrain_bert.py"
-    spec = importlib.util.spec_from_file_location("pretrain_bert", script)
+    script = REPO / "jobs" / f"{job}.py"
+    spec = importlib.util.spec_from_file_location(job, script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     calls = []
@@ -205,7 +216,8 @@ def test_pretrain_bert_job_forwards_to_the_cli(monkeypatch):
     assert calls == [["run", "jobs/configs/tiny.yaml", "--no-progress", "--set", "run.steps=2",
                       "--set", "name=t2", "--address", "ray://head:10001"]]
     assert module.main([]) == 0
-    assert calls[-1] == ["run", "jobs/configs/demo.yaml", "--no-progress"]
+    assert calls[-1] == ["run", f"jobs/configs/{default}.yaml", "--no-progress"]
+    assert (REPO / "jobs" / "configs" / f"{default}.yaml").is_file()
 
 
 def test_embedded_s3_refuses_a_remote_cluster_before_starting_anything(capsys):

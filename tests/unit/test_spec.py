@@ -52,7 +52,8 @@ def test_spec_error_is_a_value_error_and_exported():
 def test_empty_dict_gives_defaults():
     spec = JobSpec.from_dict({})
     assert spec.name == "bert-pretrain"
-    assert spec.model.preset == "bert-tiny"
+    assert spec.model.preset is None and spec.model.preset_name == "bert-tiny"
+    assert spec.model.family_name == "bert" and spec.task.type == "masked_lm"
     assert spec.strategy.zero_stage == 2
     assert spec.strategy.precision == "fp32"
     assert spec.world_size == spec.scaling.num_workers == 2
@@ -96,7 +97,8 @@ def test_repr_is_short_and_names_the_essentials():
                               "strategy": {"zero_stage": 1, "precision": "fp16"},
                               "run": {"steps": 9}})
     assert repr(spec) == (
-        "JobSpec(name='r1', model='bert-small', workers=3, zero=1, precision='fp16', steps=9)"
+        "JobSpec(name='r1', model='bert-small', task='masked_lm', workers=3, zero=1, precision='fp16', "
+        "steps=9)"
     )
 
 
@@ -155,11 +157,14 @@ def test_every_preset_is_accepted(preset):
     assert JobSpec.from_dict({"model": {"preset": preset}}).model.preset == preset
 
 
-def test_unknown_bert_config_override_is_named():
-    msg = spec_error({"model": {"overrides": {"num_layers": 3, "hidden_size": 64}}})
-    assert "model.overrides" in msg
-    assert "['num_layers']" in msg  # only the unknown one
-    assert "BertConfig" in msg
+def test_model_family_preset_and_pretrained_rules():
+    # the spec checks what needs no transformers: the preset's family, preset vs pretrained
+    # (config fields and task support: raylib.train.model.check_model, tests/unit/test_model.py)
+    assert JobSpec.from_dict({"model": {"family": "gpt2"}}).model.preset_name == "gpt2-tiny"
+    assert "'bert-base' is a bert preset, not gpt2" in spec_error(
+        {"model": {"family": "gpt2", "preset": "bert-base"}})
+    assert "remove model.preset" in spec_error({"model": {"preset": "bert-base", "pretrained": "/m"}})
+    assert "task.type" in spec_error({"task": {"type": "summarization"}})
 
 
 def test_known_bert_config_overrides_are_accepted():
@@ -244,8 +249,9 @@ def test_good_run_name():
         ("strategy.optimizer.eps", -1e-8, "greater than 0"),
         ("strategy.optimizer.weight_decay", -0.1, "greater than or equal to 0"),
         ("strategy.lr_schedule.warmup_steps", -1, "greater than or equal to 0"),
-        ("data.mlm_probability", 0.0, "greater than 0"),
-        ("data.mlm_probability", 1.0, "less than 1"),
+        ("task.mlm_probability", 0.0, "greater than 0"),
+        ("task.mlm_probability", 1.0, "less than 1"),
+        ("task.num_labels", 1, "greater than or equal to 2"),
         ("checkpoint.keep", 0, "greater than or equal to 1"),
         ("checkpoint.interval_steps", -1, "greater than or equal to 0"),
     ],
@@ -310,7 +316,8 @@ def test_from_yaml_round_trips_through_to_yaml(tmp_path):
     spec = JobSpec.from_dict({
         "name": "round-trip",
         "model": {"preset": "bert-mini", "overrides": {"num_hidden_layers": 2}},
-        "data": {"path": "s3://bucket/ds", "manifest": None, "mlm_probability": 0.2},
+        "data": {"path": "s3://bucket/ds", "manifest": None},
+        "task": {"type": "masked_lm", "mlm_probability": 0.2},
         "strategy": {"zero_stage": 3, "offload_params": True, "offload_optimizer": True,
                      "precision": "fp16", "initial_scale_power": 12, "micro_batch_size": 4,
                      "global_batch_size": 48, "optimizer": {"type": "adam", "lr": 3e-4,

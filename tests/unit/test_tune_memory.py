@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import pytest
 
-from raylib.spec import JobSpec, ModelSpec
+from raylib.data.build import DatasetIndex
+from raylib.spec import JobSpec
 from raylib.tune.memory import GIB, Budget, Hardware, estimate, fits, model_shape
 from raylib.tune.space import TuneSpec, candidates
 
 pytestmark = pytest.mark.unit
 
 
+def index(vocab: int, seq_len: int, **fields) -> DatasetIndex:
+    return DatasetIndex(url="/d", seq_len=seq_len, vocab_size=vocab, shards=[],
+                        special_ids={"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}, **fields)
+
+
 @pytest.fixture(scope="module")
 def bert_base():
-    return model_shape(ModelSpec(preset="bert-base"), vocab_size=30522, seq_len=128)
+    return model_shape(JobSpec.from_dict({"model": {"preset": "bert-base"}}), index(30522, 128))
 
 
 def strategy(workers: int = 8, **fields):
@@ -23,14 +29,30 @@ def strategy(workers: int = 8, **fields):
 
 
 def test_shape_counts_the_real_model():
-    from raylib.train.model import bert_config, build_model, count_parameters
+    from raylib.train.model import build_model, count_parameters
 
-    model = ModelSpec(preset="bert-tiny", overrides={"num_hidden_layers": 1})
-    real = build_model(bert_config(model, vocab_size=600, seq_len=32), seed=0)
-    shape = model_shape(model, vocab_size=600, seq_len=32)
+    spec = JobSpec.from_dict({"model": {"preset": "bert-tiny", "overrides": {"num_hidden_layers": 1}}})
+    real = build_model(spec, index(600, 32), seed=0)
+    shape = model_shape(spec, index(600, 32))
     assert shape.params == count_parameters(real)
     assert shape.largest_module_params == 600 * 128 + 600  # the tied MLM decoder: embeddings + bias
-    assert (shape.layers, shape.hidden, shape.heads) == (1, 128, 2)
+    assert (shape.layers, shape.hidden, shape.heads, shape.intermediate) == (1, 128, 2, 512)
+
+
+@pytest.mark.parametrize(("preset", "task", "inner"), [("gpt2-tiny", "causal_lm", 512),
+                                                      ("llama-tiny", "causal_lm", 344)])
+def test_shape_of_other_families(preset, task, inner):
+    spec = JobSpec.from_dict({"model": {"preset": preset}, "task": {"type": task}})
+    shape = model_shape(spec, DatasetIndex(url="/d", seq_len=32, vocab_size=600, shards=[],
+                                           special_ids={"pad": 0, "sep": 1}))
+    assert (shape.layers, shape.hidden, shape.intermediate, shape.vocab) == (2, 128, inner, 600)
+
+
+def test_a_classifier_has_label_logits_not_vocabulary_logits():
+    spec = JobSpec.from_dict({"task": {"type": "sequence_classification"}})
+    columns = ["input_ids", "attention_mask", "label"]
+    shape = model_shape(spec, index(600, 32, kind="examples", columns=columns, label_names=["a", "b", "c"]))
+    assert shape.vocab == 3
 
 
 def test_each_zero_stage_partitions_more(bert_base):

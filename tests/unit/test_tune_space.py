@@ -10,7 +10,8 @@ import json
 import pytest
 import yaml
 
-from raylib.spec import JobSpec, ModelSpec, SpecError
+from raylib.data.build import DatasetIndex
+from raylib.spec import JobSpec, SpecError
 from raylib.tune.memory import Budget, Hardware, model_shape
 from raylib.tune.report import format_table, overrides
 from raylib.tune.space import TuneSpec, apply, auto_micro_batches, candidates, patch
@@ -23,7 +24,9 @@ BASE = {"name": "t", "model": {"preset": "bert-tiny", "overrides": {"num_hidden_
 
 @pytest.fixture(scope="module")
 def cpu():
-    shape = model_shape(ModelSpec(**BASE["model"]), vocab_size=600, seq_len=32)
+    index = DatasetIndex(url="/d", seq_len=32, vocab_size=600, shards=[],
+                         special_ids={"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4})
+    shape = model_shape(JobSpec.from_dict(BASE), index)
     return Hardware(on_gpu=False, budget=Budget(device_bytes=64 << 30), shape=shape,
                     precisions=("fp32", "bf16"))
 

@@ -4,7 +4,8 @@
         --env AWS_ACCESS_KEY_ID --env AWS_SECRET_ACCESS_KEY --env AWS_ENDPOINT_URL
 
 It uploads the checkout as the job's working_dir (without .venv, runs, .raylib, .git), runs
-`python jobs/pretrain_bert.py --config CONFIG --set ...` as the entrypoint, streams the job's
+`python -m raylib run CONFIG --no-progress --set ...` as the entrypoint (any model and task: the
+config says which), streams the job's
 logs, waits, and returns the job's summary (the job prints `summary: <path>`; summary.json is read
 locally when the cluster shares this machine's files, else fetched by a second, tiny job).
 
@@ -38,8 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-ENTRYPOINT_SCRIPT = "jobs/pretrain_bert.py"
-"""Entrypoint run by the job, relative to the working dir."""
+ENTRYPOINT = ("python", "-m", "raylib", "run")
+"""The generic entrypoint run by the job (in the working dir: the checkout)."""
+PACKAGE_MARKER = "raylib/cli.py"
+"""What makes a directory a raylib checkout (relative to it)."""
 WORKING_DIR_EXCLUDES = [
     ".venv", "venv", ".git", "runs", ".raylib", "__pycache__", "*.egg-info", ".pytest_cache",
     ".ruff_cache", "bench/results", ".ipynb_checkpoints",
@@ -93,7 +96,7 @@ class SubmitResult:
 def default_working_dir() -> Path:
     """The checkout this raylib comes from (it holds jobs/), else the current directory."""
     here = Path(__file__).resolve().parents[1]
-    if (here / ENTRYPOINT_SCRIPT).is_file():
+    if (here / PACKAGE_MARKER).is_file():
         return here
     return Path.cwd()
 
@@ -115,9 +118,9 @@ def build_submission(
     """
     environ = os.environ if environ is None else environ
     wd = Path(working_dir).resolve() if working_dir is not None else default_working_dir()
-    if not (wd / ENTRYPOINT_SCRIPT).is_file():
+    if not (wd / PACKAGE_MARKER).is_file():
         raise SubmitError(
-            f"working dir {str(wd)!r} has no {ENTRYPOINT_SCRIPT}; run from the raylib checkout "
+            f"working dir {str(wd)!r} has no {PACKAGE_MARKER}; run from the raylib checkout "
             "or pass --working-dir CHECKOUT"
         )
     cfg = Path(config)
@@ -152,7 +155,7 @@ def build_submission(
                               "first (its value is sent to the job, never printed)")
         env_vars[name] = environ[name]
 
-    args = ["python", ENTRYPOINT_SCRIPT, "--config", rel.as_posix()]
+    args = [*ENTRYPOINT, rel.as_posix(), "--no-progress"]
     for item in overrides:
         if "=" not in item:
             raise SubmitError(f"--set {item!r}: expected key=value, e.g. strategy.zero_stage=3")

@@ -50,9 +50,11 @@ def test_submit_tiny_job_succeeds_with_summary_and_keeps_secrets(head, tmp_path,
     monkeypatch.setenv("RAY_API_SERVER_ADDRESS", head.dashboard_url)
     monkeypatch.chdir(REPO)
     data = tmp_path / "data"
+    # any model and task, through the generic entrypoint: here a GPT-2 causal LM
     rc = cli.main(["submit", TINY, "--address", head.dashboard_url,
                    "--set", "run.steps=3", "--set", f"run.output_dir={tmp_path}",
-                   "--set", f"data.path={data}",
+                   "--set", f"data.path={data}", "--set", "model.preset=gpt2-tiny",
+                   "--set", "task.type=causal_lm",
                    "--env", "AWS_SECRET_ACCESS_KEY", "--env", "RAY_API_SERVER_ADDRESS"])
     out, err = capfd.readouterr()
     assert rc == 0, err[-3000:]
@@ -67,6 +69,7 @@ def test_submit_tiny_job_succeeds_with_summary_and_keeps_secrets(head, tmp_path,
     assert printed["steps"] == on_disk["steps"] == 3
     assert printed["final_loss"] == on_disk["final_loss"]
     assert on_disk["world_size"] == 2 and on_disk["zero_stage"] == 2
+    assert (on_disk["model"], on_disk["task"]) == ("gpt2-tiny", "causal_lm")
     assert (data / "index.json").is_file(), "the job built its own data from the manifest"
     # Streamed logs: the job's own table went through our stdout.
     assert "run tiny" in out and "final_loss" in out
@@ -121,7 +124,7 @@ def test_build_submission_entrypoint_and_runtime_env():
     job = build_submission(REPO / TINY, overrides=["run.steps=3", "data.path=/x y"],
                            env=["MY_SECRET"], environ={"MY_SECRET": "v"})
     assert job["entrypoint"] == (
-        "python jobs/pretrain_bert.py --config jobs/configs/tiny.yaml "
+        "python -m raylib run jobs/configs/tiny.yaml --no-progress "
         "--set run.steps=3 --set 'data.path=/x y'")
     renv = job["runtime_env"]
     assert Path(renv["working_dir"]) == REPO

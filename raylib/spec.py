@@ -83,6 +83,17 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
 
 
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h)\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """'30s' -> 30.0, '10m' -> 600.0, '1h' -> 3600.0."""
+    m = _DURATION.match(str(text))
+    if not m:
+        raise ValueError(f"duration {text!r} not understood; write e.g. 30s, 10m or 1h")
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
 def resolve_local(url: str) -> str:
     """A local path (relative ones against the submitting directory, ~ expanded) made absolute,
     so it means the same on the driver and in every worker; other fsspec URLs as they are."""
@@ -394,9 +405,27 @@ class CheckpointSpec(_Section):
     """Snapshots kept in the object store per run (oldest dropped first)."""
     keep_persisted: int = Field(2, ge=1)
     """Persisted snapshots kept at persist_url."""
-    persist_every: int = Field(1, ge=1)
-    """Persist every k-th scheduled snapshot (the others live in the keepers' memory only; the last
-    of a run and a preemption's are always persisted): frequent cheap snapshots, rarer uploads."""
+    persist_every: int | str = "10m"
+    """How often a snapshot also goes to persist_url: every k-th scheduled snapshot (an integer;
+    1: every one), or at most once per duration ("30s", "10m", "1h": the first snapshot that long
+    after the previously persisted one). The others live in the keepers' memory only (replicated
+    on other nodes); the last of a run and a preemption's are always persisted. Frequent cheap
+    snapshots, rarer uploads: a lost worker or node resumes from memory, a lost cluster loses at
+    most this much (CheckFreq, Gemini)."""
+
+    @field_validator("persist_every")
+    @classmethod
+    def _cadence(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be at least 1 (every snapshot), or a duration such as 10m")
+        if isinstance(v, str):
+            parse_duration(v)
+        return v
+
+    @property
+    def persist_interval_s(self) -> float | None:
+        """persist_every as seconds (None: a count of snapshots)."""
+        return parse_duration(self.persist_every) if isinstance(self.persist_every, str) else None
     max_store_fraction: float = Field(0.5, gt=0, le=1)
     """Refuse a snapshot that would need more than this fraction of a node's object store."""
 

@@ -123,6 +123,7 @@ class ObjectStoreCheckpointer:
         self._phases: dict[str, float] = {}
         self._copy: HostCopy | None = None  # the newest snapshot's host copy, until fenced
         self._unpersisted: int | None = None  # the newest snapshot's step if put without persistence
+        self._last_persist = time.monotonic()  # rank 0's: a duration cadence counts from the start
         if spec.checkpoint.in_memory:  # while the engine is built: a first actor call costs ~0.1 s
             threading.Thread(target=_connect_to_keepers, args=(self.rank,), name="ckpt-connect",
                              daemon=True).start()
@@ -268,10 +269,20 @@ class ObjectStoreCheckpointer:
         self._blocked.append(time.perf_counter() - t0)
 
     def _persist_due(self, step: int) -> bool:
-        """Every persist_every-th scheduled snapshot, and any off schedule (a preemption's); the last
-        of a run is persisted by close()."""
-        every, k = self.spec.checkpoint.interval_steps, self.spec.checkpoint.persist_every
-        return k == 1 or not every or step % every != 0 or (step // every) % k == 0
+        """Any snapshot off schedule (a preemption's), and on schedule every persist_every-th, or
+        the first one persist_every (a duration) after the last persisted one: rank 0's clock
+        decides for every rank (a step is persisted by all ranks or by none). The last of a run
+        is persisted by close()."""
+        c = self.spec.checkpoint
+        every, interval = c.interval_steps, c.persist_interval_s
+        if not every or step % every != 0:
+            return True
+        if interval is None:
+            return c.persist_every == 1 or (step // every) % c.persist_every == 0
+        due = self._from_rank0(time.monotonic() - self._last_persist >= interval)
+        if due:
+            self._last_persist = time.monotonic()
+        return due
 
     def fence(self) -> None:
         """Call before the optimizer step (it writes to what the newest snapshot is copying). Its

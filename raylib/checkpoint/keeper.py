@@ -181,22 +181,24 @@ class CheckpointKeeper:
             self._queue_persist(run, step, rank, world_size, own, meta, policy, sum(sizes.values()))
         return {"bytes": sum(sizes.values()), "replicas": targets}
 
-    def persist(self, run: str, step: int, rank: int, policy: StorePolicy) -> bool:
-        """Persist a part held here that put() was told not to; False if this keeper lacks it."""
+    def persist(self, run: str, step: int, rank: int, policy: StorePolicy, replica: bool = False) -> bool:
+        """Persist a part held here that put() was told not to (or a replica of it, when its owner
+        is gone); False if this keeper lacks it."""
         with self._lock:
-            part = self._parts.get((run, step, rank, False))
-            queued = any(key == (run, step, rank, False) for _, key, _ in self._inflight.values())
+            part = self._parts.get((run, step, rank, replica))
+            queued = any(key[:3] == (run, step, rank) for _, key, _ in self._inflight.values())
         if part is None:
             return False
         if policy.persist_url and not part.persisted and not queued:
-            self._queue_persist(run, step, rank, part.world_size, part.refs, part.meta, policy, part.nbytes)
+            self._queue_persist(run, step, rank, part.world_size, part.refs, part.meta, policy, part.nbytes,
+                                replica)
         return True
 
     def _queue_persist(self, run: str, step: int, rank: int, world_size: int, refs: dict[str, Any],
-                       meta: dict[str, Any], policy: StorePolicy, nbytes: int) -> None:
+                       meta: dict[str, Any], policy: StorePolicy, nbytes: int, replica: bool = False) -> None:
         with self._lock:
             job, self._next_job = self._next_job, self._next_job + 1
-            self._inflight[job] = (run, (run, step, rank, False), nbytes)
+            self._inflight[job] = (run, (run, step, rank, replica), nbytes)
         self._jobs.put((job, run, step, rank, world_size, refs, meta, policy))
 
     def hold(self, run: str, step: int, rank: int, world_size: int, refs: dict[str, Any],
@@ -227,7 +229,8 @@ class CheckpointKeeper:
                 self._time(run, "persist", t1 - t0)
                 self._time(run, "retain", time.perf_counter() - t1)
                 with self._lock:
-                    part = self._parts.get((run, step, rank, False))
+                    key = self._inflight[job][1]
+                    part = self._parts.get(key)
                     if part is not None:
                         part.persisted = True
             except Exception as e:  # recorded and reported; training goes on with memory copies

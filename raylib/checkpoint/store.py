@@ -105,6 +105,22 @@ class CheckpointStore:
         keeper = keeper_on(_node_id())
         return ray.get(keeper.persist.remote(self.run, step, rank, self.policy), timeout=QUERY_TIMEOUT_S)
 
+    def persist_newest(self, timeout_s: float = 600.0) -> int | None:
+        """Persist the newest step held complete in memory (from each part's own keeper, else a
+        replica) and wait for it: before a failed run's driver exits (an embedded cluster's object
+        store goes with it), so what it had in memory outlives it. The newest persisted step after."""
+        steps = self.complete_steps(persisted=False)
+        if steps and self.policy.persist_url:
+            step, world = steps[0]
+            holders = self.holders()
+            for rank in range(world):
+                copy = min(holders[(step, rank)], key=lambda c: c["replica"])  # the owner first
+                ray.get(copy["keeper"].persist.remote(self.run, step, rank, self.policy, copy["replica"]),
+                        timeout=QUERY_TIMEOUT_S)
+            self.flush(timeout_s)
+        done = self.persisted.complete_steps() if self.policy.persist_url else {}
+        return max(done) if done else None
+
     def persist_now(self, step: int, rank: int, world_size: int, files: dict[str, Any],
                     meta: dict[str, Any]) -> None:
         """Write a part ({relative path: bytes}) straight to persist_url from the caller (blocking):

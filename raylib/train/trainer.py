@@ -227,7 +227,20 @@ def last_checkpoint(spec: JobSpec, run_dir: Path) -> str:
     pointer = dirs[-1] / POINTER
     if pointer.is_file():
         p = json.loads(pointer.read_text())
-        return (f"The last good checkpoint is step {p['step']} (object store, persisted to "
+        # snapshots kept in memory only (persist_every) go to persist_url now: the object store of
+        # an embedded cluster ends with this driver
+        try:
+            from raylib.checkpoint import CheckpointStore
+            from raylib.checkpoint.checkpointer import policy_of
+
+            step = CheckpointStore(p["run"], policy_of(spec, str(run_dir))).persist_newest()
+        except Exception as e:  # the cluster may be what failed
+            log.warning("could not persist the newest in-memory checkpoint: %s", e)
+            step = None
+        if step is None:
+            return (f"The last checkpoint Ray Train recorded is step {p['step']} (object store; none "
+                    f"is persisted at {p['persist_url']}/{p['run']}); it is lost with the cluster.")
+        return (f"The last good checkpoint is step {step} (object store, persisted to "
                 f"{p['persist_url']}/{p['run']}); running the same job again resumes from it.")
     return f"The last good checkpoint is {dirs[-1]}; running the same job again resumes from it."
 

@@ -351,6 +351,21 @@ def test_persist_every_uploads_every_kth_snapshot_and_always_the_last(cluster, t
     assert sorted(persisted.complete_steps()) == [4, 6]
 
 
+def test_duration_cadence_persists_only_the_last_of_a_short_run(cluster, tiny_dataset, tmp_path):
+    """The default persist_every (10m): a run shorter than that keeps its scheduled snapshots in
+    memory and persists the last one only; "0s" persists each (rank 0's clock, all ranks agree)."""
+    from raylib.train.trainer import run
+
+    hot = {"tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "1MB"}]}
+    short = run(job(tiny_dataset, tmp_path, "cadence", data=hot, run={"steps": 6},
+                    checkpoint={"keep_persisted": 3}), progress=False).summary["checkpoint"]
+    assert short["snapshots"] == 3 and short["persisted_steps"] == [6], short
+    every = run(job(tiny_dataset, tmp_path, "cadence0", data=hot, run={"steps": 6},
+                    checkpoint={"keep_persisted": 3, "persist_every": "0s"}),
+                progress=False).summary["checkpoint"]
+    assert every["persisted_steps"] == [2, 4, 6], every
+
+
 @pytest.mark.chaos
 @pytest.mark.slow
 def test_killed_worker_resumes_exactly_then_on_one_worker(cluster, tiny_dataset, tmp_path):
@@ -396,7 +411,8 @@ def test_killed_worker_resumes_exactly_then_on_one_worker(cluster, tiny_dataset,
     assert ckpt["restore_source"].startswith("memory-"), ckpt
     assert ckpt["restored_step"] == s["start_step"] and ckpt["restore_s"] > 0
     assert ckpt["snapshots"] == (steps - s["start_step"]) // 2 and ckpt["refused"] == 0
-    assert ckpt["replicas"] == 1 and ckpt["persisted_steps"] == [steps - 2, steps]
+    # the default cadence (persist_every: 10m) keeps the snapshots in memory, the last one persisted
+    assert ckpt["replicas"] == 1 and ckpt["persisted_steps"] == [steps]
     assert not ckpt["persist_errors"] and ckpt["bytes_per_snapshot"] > 1e6
     assert complete_in_memory("chaos-") == [], "a finished run leaves nothing in the object store"
 
@@ -428,8 +444,13 @@ def test_a_run_out_of_restarts_says_how_often_it_failed_and_where_to_resume(clus
     message = str(ei.value)
     assert "killed_after" in seen
     assert "run 'doomed' failed after 1 worker-group failure(s) (run.max_failures=0)" in message
-    found = re.search(r"last good checkpoint is step (\d+) \(object store, persisted to (\S+)/", message)
+    found = re.search(r"last good checkpoint is step (\d+) \(object store, persisted to (\S+)/([^/)]+)\)",
+                      message)
     step = int(found[1])
+    # kept in memory only (persist_every: 10m): the driver persisted it before giving up
+    from raylib.checkpoint.persist import PersistedRun
+
+    assert step in PersistedRun(found[2], found[3]).complete_steps(), message
     assert step % 2 == 0 and 2 <= step <= seen["killed_after"] + 2, (message, seen)
     assert "running the same job again resumes from it" in message
 
@@ -447,7 +468,7 @@ def test_zero3_resumes_on_fewer_workers_via_universal_checkpoint(cluster, tiny_d
                 progress=False).summary
     assert first["steps"] == 4 and first["param_digests_agree"]
     assert first["checkpoint"]["snapshots"] == 2 and first["checkpoint"]["refused"] == 0
-    assert first["checkpoint"]["persisted_steps"] == [2, 4]
+    assert first["checkpoint"]["persisted_steps"] == [4]  # the last (persist_every: 10m)
 
     second = run(job(tiny_dataset, tmp_path, "resize3", scaling={"num_workers": 1}, run={"steps": 5},
                      data=data, **spec), progress=False).summary

@@ -447,6 +447,7 @@ def test_checkpoint_section_rejects_impossible_values():
                               ({"max_store_fraction": 1.5}, "checkpoint.max_store_fraction"),
                               ({"keep_in_memory": 0}, "checkpoint.keep_in_memory"),
                               ({"persist_every": 0}, "checkpoint.persist_every"),
+                              ({"persist_every": "10 minutes"}, "write e.g. 30s, 10m or 1h"),
                               ({"persist": "s3://x"}, "checkpoint.persist: unknown key")]:
         with pytest.raises(SpecError, match=fragment):
             JobSpec.from_dict({"checkpoint": section})
@@ -490,3 +491,11 @@ def test_building_a_spec_imports_no_other_layer():
             "('raylib', 'deepspeed', 'ray', 'torch')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['raylib', 'raylib.fileio', 'raylib.spec']"
+
+
+def test_persist_every_is_a_count_or_a_duration():
+    from raylib.spec import CheckpointSpec, parse_duration
+
+    assert CheckpointSpec().persist_every == "10m" and CheckpointSpec().persist_interval_s == 600
+    assert CheckpointSpec(persist_every=4).persist_interval_s is None
+    assert [parse_duration(t) for t in ("30s", "1.5m", "2h")] == [30, 90, 7200]

@@ -67,6 +67,30 @@ def read_pointer(checkpoint) -> dict[str, Any] | None:
             return json.load(f)
 
 
+def run_family(spec, run_dir: str) -> str:
+    """The prefix of the run keys of every fit of one run directory."""
+    return f"{spec.name}-{hashlib.sha1(str(run_dir).encode()).hexdigest()[:8]}-"
+
+
+def newest_held_run(family: str) -> str | None:
+    """The run key (of the fits of `family`) whose parts the keepers hold the newest step of."""
+    import ray
+
+    from raylib.checkpoint.keeper import live_keepers
+    from raylib.checkpoint.store import QUERY_TIMEOUT_S
+
+    newest: tuple[int, str] | None = None
+    for keeper in live_keepers().values():
+        try:
+            parts = ray.get(keeper.inventory.remote(), timeout=QUERY_TIMEOUT_S)
+        except ray.exceptions.RayError:
+            continue
+        for p in parts:
+            if p["run"].startswith(family) and (newest is None or p["step"] > newest[0]):
+                newest = (p["step"], p["run"])
+    return newest[1] if newest else None
+
+
 def fit_id() -> str:
     """The same in every worker-group attempt of one TorchTrainer.fit, new for the next fit."""
     import ray
@@ -108,7 +132,7 @@ class ObjectStoreCheckpointer:
 
         self.spec = spec
         self.policy = policy_of(spec, run_dir)
-        self.family = f"{spec.name}-{hashlib.sha1(str(run_dir).encode()).hexdigest()[:8]}-"
+        self.family = run_family(spec, run_dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.store: CheckpointStore | None = None
         self._blocked: list[float] = []

@@ -218,30 +218,34 @@ def _raise_run_failed(spec: JobSpec, error: BaseException, run_dir: Path) -> Non
 
 
 def last_checkpoint(spec: JobSpec, run_dir: Path) -> str:
-    """Where the newest checkpoint Ray Train recorded for this run is, in words."""
-    from raylib.checkpoint.checkpointer import POINTER
+    """Where the last good checkpoint of this run is, in words. Snapshots kept in memory only
+    (checkpoint.persist_every) are persisted first: an embedded cluster's object store ends with
+    this driver."""
+    from raylib.checkpoint.checkpointer import POINTER, newest_held_run, policy_of, run_family
 
     dirs = sorted(run_dir.glob("checkpoint_*"), key=lambda p: p.stat().st_mtime)
-    if not dirs:
-        return "No checkpoint was recorded: the run starts from step 0 when run again."
-    pointer = dirs[-1] / POINTER
-    if pointer.is_file():
-        p = json.loads(pointer.read_text())
-        # snapshots kept in memory only (persist_every) go to persist_url now: the object store of
-        # an embedded cluster ends with this driver
+    pointer = dirs[-1] / POINTER if dirs else None
+    run = json.loads(pointer.read_text())["run"] if pointer and pointer.is_file() else None
+    if spec.checkpoint.in_memory:
+        policy = policy_of(spec, str(run_dir))
         try:
             from raylib.checkpoint import CheckpointStore
-            from raylib.checkpoint.checkpointer import policy_of
 
-            step = CheckpointStore(p["run"], policy_of(spec, str(run_dir))).persist_newest()
+            # Ray Train may not have registered the newest pointer yet: the keepers know the run
+            run = newest_held_run(run_family(spec, str(run_dir))) or run
+            step = CheckpointStore(run, policy).persist_newest() if run else None
         except Exception as e:  # the cluster may be what failed
             log.warning("could not persist the newest in-memory checkpoint: %s", e)
             step = None
-        if step is None:
-            return (f"The last checkpoint Ray Train recorded is step {p['step']} (object store; none "
-                    f"is persisted at {p['persist_url']}/{p['run']}); it is lost with the cluster.")
-        return (f"The last good checkpoint is step {step} (object store, persisted to "
-                f"{p['persist_url']}/{p['run']}); running the same job again resumes from it.")
+        if step is not None:
+            return (f"The last good checkpoint is step {step} (object store, persisted to "
+                    f"{policy.persist_url}/{run}); running the same job again resumes from it.")
+        if run is None:
+            return "No checkpoint was recorded: the run starts from step 0 when run again."
+        return (f"No checkpoint of run {run} could be persisted to {policy.persist_url}: the run "
+                "starts from step 0 when run again.")
+    if not dirs:
+        return "No checkpoint was recorded: the run starts from step 0 when run again."
     return f"The last good checkpoint is {dirs[-1]}; running the same job again resumes from it."
 
 

@@ -86,7 +86,7 @@ def test_the_console_shows_the_driver_a_bar_a_restart_warning_and_the_summary(ti
             "authentication_token_setup" in line, line
     bar = [ln for ln in console_lines(stderr) if ln.startswith("train:")][-1]
     assert re.search(r"40/40 .*loss \d+\.\d{3}, \d+ samples/s, data wait \d+%\]$", bar), bar
-    assert "INFO raylib.train.trainer: training 'tiny' on 2 worker(s)" in stderr
+    assert "INFO raylib.train.trainer: training 'tiny' (bert-tiny, masked_lm) on 2 worker(s)" in stderr
 
     # stdout: the summary and where everything else went. Before it, Ray's driver may print its own
     # note of the killed worker process (the GCS error channel, shown even with log_to_driver=False).

@@ -30,6 +30,7 @@ bench: setup  ## side-by-side benchmarks (JSON on stdout)
 	$(PY) bench/wrapper_overhead.py
 	$(PY) bench/placement.py
 	$(PY) bench/data_pipeline.py
+	$(PY) bench/models.py
 
 clean:
 	rm -rf runs .raylib

@@ -101,8 +101,13 @@ def _run(args) -> int:
         spec = JobSpec.from_yaml(args.config, overrides=args.overrides)
         try:
             check_model(spec)  # family, its config's fields, the task (the data's part: at run)
+            peft = None
             if "://" not in spec.data.path and is_built(spec.data.path):  # no network in a dry run
-                model_config(spec, read_index(spec.data.path))
+                config = model_config(spec, read_index(spec.data.path))
+                if spec.peft is not None:  # peft's settings against this model, on the meta device
+                    from raylib.train.adapter import check_peft
+
+                    peft = check_peft(spec, config)
             ds_config = resolve_ds_config(spec)  # the checks DeepSpeed itself would make
         except (ValueError, FileNotFoundError) as e:
             raise SpecError(f"{args.config}: {e}") from None
@@ -111,6 +116,15 @@ def _run(args) -> int:
         print(spec.to_yaml())
         print("# effective DeepSpeed config (CPU; on GPU the optimizer drops torch_adam)")
         print(json.dumps(ds_config, indent=2))
+        if peft is not None:
+            print("# parameter-efficient fine-tuning (peft)")
+            print(json.dumps(peft, indent=2))
+            print(f"# trains {peft['trainable_parameters']:,} of {peft['total_parameters']:,} parameters "
+                  f"({100 * peft['trainable_fraction']:.3f}%); optimizer states "
+                  f"{peft['optimizer_state_bytes'] / 2**20:.1f} MiB "
+                  f"({peft['optimizer_state_bytes_per_rank'] / 2**20:.1f} MiB per rank)")
+        elif spec.peft is not None:
+            print(f"# peft: trainable parameters are counted once {spec.data.path} is built")
         return 0
     import raylib
 

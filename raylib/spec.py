@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -182,6 +182,47 @@ class TaskSpec(_Section):
     """Classification: number of classes (None: the dataset's label count)."""
     mlm_probability: float = Field(0.15, gt=0, lt=1)
     """masked_lm: fraction of tokens selected for prediction."""
+
+
+PEFT_METHODS = ("lora", "ia3", "prefix_tuning", "p_tuning")
+PROMPT_METHODS = ("prefix_tuning", "p_tuning")
+
+
+class PeftSpec(_Section):
+    """Parameter-efficient fine-tuning through HF `peft`: the base model is frozen and only the
+    method's parameters (and `modules_to_save`) are trained, optimized and checkpointed."""
+
+    method: Literal["lora", "ia3", "prefix_tuning", "p_tuning"] = "lora"
+    """lora (low-rank updates of target_modules), ia3 (learned scaling vectors), prefix_tuning
+    (trained key/value prefixes; decoder families), p_tuning (a prompt encoder's virtual tokens)."""
+    r: int = Field(8, gt=0)
+    """lora: rank of the update matrices."""
+    alpha: float = Field(16.0, gt=0)
+    """lora: scaling of the update (alpha / r)."""
+    dropout: float = Field(0.05, ge=0, lt=1)
+    """lora: dropout on the adapter's input."""
+    target_modules: list[str] | None = None
+    """Module names (suffixes) to adapt (lora, ia3). None: peft's defaults for the family, e.g. bert
+    [query, value], gpt2 [c_attn], llama [q_proj, v_proj]."""
+    modules_to_save: list[str] | None = None
+    """Modules trained in full and saved with the adapter. None: the task's new head (classifier,
+    and BERT's pooler, which feeds it and is new when starting from a masked-LM checkpoint)."""
+    num_virtual_tokens: int = Field(20, gt=0)
+    """prefix_tuning, p_tuning: length of the trained prompt."""
+
+    @field_validator("target_modules", "modules_to_save")
+    @classmethod
+    def _names(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or not all(isinstance(n, str) and n for n in v)):
+            raise ValueError("give a non-empty list of module names, e.g. [query, value]")
+        return v
+
+    @model_validator(mode="after")
+    def _fits_method(self) -> PeftSpec:
+        if self.method in PROMPT_METHODS and self.target_modules is not None:
+            raise ValueError(f"peft.target_modules does not apply to {self.method} (it adds a prompt, "
+                             "not adapters on modules); remove it or use method lora or ia3")
+        return self
 
 
 def _size_field(v: Any, what: str) -> Any:
@@ -479,6 +520,8 @@ class JobSpec(_Section):
     name: str = "bert-pretrain"
     model: ModelSpec = Field(default_factory=ModelSpec)
     task: TaskSpec = Field(default_factory=TaskSpec)
+    peft: PeftSpec | None = None
+    """Parameter-efficient fine-tuning (None: every weight is trained)."""
     data: DataSpec = Field(default_factory=DataSpec)
     strategy: StrategySpec = Field(default_factory=StrategySpec)
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
@@ -580,9 +623,13 @@ def _allowed_keys(loc: tuple) -> list[str]:
     model: Any = JobSpec
     for part in loc:
         field = model.model_fields.get(part) if isinstance(part, str) else None
-        if field is None or not isinstance(field.annotation, type):
+        if field is None:
             return []
-        model = field.annotation
+        # an optional section (e.g. `peft: PeftSpec | None`): its model
+        model = next((a for a in (field.annotation, *get_args(field.annotation))
+                      if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if model is None:
+            return []
     return list(model.model_fields) if hasattr(model, "model_fields") else []
 
 

@@ -102,6 +102,8 @@ def summarize(spec, history: RunHistory, index, ds_config: dict[str, Any],
         "planned_nodes": history.planned_nodes,
         "preemptions": history.preemptions,
         "peak_memory_bytes": history.peak_memory_bytes,
+        # PEFT: trainable parameters, their fraction, optimizer-state bytes, the base's digest
+        "peft": history.peft,
         "wall_s": wall_s,
         "data": data_summary(history.data_ranks, history.data_wait_s, loop_s),
         "checkpoint": history.checkpoint or None,

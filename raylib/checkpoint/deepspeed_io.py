@@ -51,6 +51,12 @@ def needs_universal(files: list[str]) -> bool:
     return any(PER_RANK.search(f) for f in files)
 
 
+def frozen(engine) -> bool:
+    """A PEFT engine: its frozen base is rebuilt from its source, never saved (DeepSpeed's
+    exclude_frozen_parameters), and loading leaves it as built (non-strict module load)."""
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
 def _estimate_bytes(engine) -> int:
     # fp32 weights + Adam's two moments + a fp32 master copy: an upper bound of one rank's files
     return 16 * sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
@@ -99,7 +105,8 @@ def capture(engine, step: int, state: dict[str, Any]) -> dict[str, Any]:
     directory = tempfile.mkdtemp(prefix="raylib-capture-")
     previous, engine.checkpoint_engine = engine.checkpoint_engine, CaptureEngine(directory)
     try:
-        engine.save_checkpoint(directory, tag=tag(step), client_state={"step": step, "state": state})
+        engine.save_checkpoint(directory, tag=tag(step), client_state={"step": step, "state": state},
+                               exclude_frozen_parameters=frozen(engine))
         captured: dict[str, Any] = dict(engine.checkpoint_engine.captured)
         for root, _, names in os.walk(directory):
             for name in names:
@@ -145,7 +152,7 @@ def load(engine, directory: str, step: int, memory: dict[str, Any] | None = None
     if memory:
         engine.checkpoint_engine = ServeEngine(memory, previous)
     try:
-        path, _ = engine.load_checkpoint(directory, tag=tag(step))
+        path, _ = engine.load_checkpoint(directory, tag=tag(step), load_module_strict=not frozen(engine))
     finally:
         engine.checkpoint_engine = previous
     if path is None:
@@ -162,6 +169,10 @@ def load_universal(engine, directory: str, step: int) -> None:
     """
     from deepspeed.checkpoint import ds_to_universal
 
+    if frozen(engine):
+        raise RuntimeError("a PEFT run's checkpoint (its adapter, without the frozen base) resumes at the "
+                           "world size it was saved at; DeepSpeed's universal conversion needs every "
+                           "weight. Run it again with that scaling.num_workers")
     out = tempfile.mkdtemp(prefix="raylib-universal-", dir=os.path.dirname(directory))
     try:
         args = argparse.Namespace(

@@ -19,6 +19,11 @@ from typing import Any
 TAG = "deepspeed"  # each Ray checkpoint directory of the blocking path holds one DeepSpeed tag
 
 
+def frozen(engine) -> bool:
+    """A PEFT engine (see raylib.checkpoint.deepspeed_io.frozen; not imported: it imports DeepSpeed)."""
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
 class Checkpointer:
     """What the worker loop calls: `restore` once before training, `save` on every rank at each
     checkpoint step, `fence` before each engine.step(), `close` at the end (waits for background
@@ -69,7 +74,8 @@ def save(engine, step: int, metrics: dict[str, Any], state: dict[str, Any] | Non
 
     local = tempfile.mkdtemp(prefix="raylib-ckpt-")
     try:
-        engine.save_checkpoint(local, tag=TAG, client_state={"step": step, "state": state or {}})
+        engine.save_checkpoint(local, tag=TAG, client_state={"step": step, "state": state or {}},
+                               exclude_frozen_parameters=frozen(engine))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(local))
     finally:
         shutil.rmtree(local, ignore_errors=True)
@@ -84,7 +90,7 @@ def restore(engine) -> tuple[int, dict[str, Any]]:
     if checkpoint is None:
         return 0, {}
     with checkpoint.as_directory() as directory:
-        path, client_state = engine.load_checkpoint(directory, tag=TAG)
+        path, client_state = engine.load_checkpoint(directory, tag=TAG, load_module_strict=not frozen(engine))
     if path is None:
         raise RuntimeError(f"checkpoint {checkpoint.path} holds no DeepSpeed tag {TAG!r}")
     return int(client_state["step"]), dict(client_state.get("state") or {})

@@ -39,6 +39,9 @@ class RunHistory:
     """Per rank: peak GPU memory allocated, or on CPU the worker process's peak RSS."""
     evals: list[dict[str, float]] = field(default_factory=list)
     """Evaluations on the validation split: {"step": n, "eval_loss": ..., ...} (task's metrics)."""
+    peft: dict[str, Any] | None = None
+    """PEFT runs: what the adapter trains (train.adapter.describe), the base's digest and, under
+    run.verify, the frozen and trainable parameters' digests at the start and end of training."""
     planned_nodes: list[str] | None = None
     """Where the gang scheduler planned each rank (None without placement.gang)."""
 

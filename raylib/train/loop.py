@@ -46,10 +46,16 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
 
     checkpointer = checkpointing.Checkpointer(spec, config["run_dir"])  # first: it connects meanwhile
     model = build_model(spec, index, seed=spec.run.seed)
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=ds_config
+    if spec.peft is not None:
+        from raylib.train import adapter
+
+        torch.manual_seed(spec.run.seed + 1)  # the adapter's initial weights, the same on every rank
+        model = adapter.wrap(model, spec, model.config.model_type)
+    engine, *_ = deepspeed.initialize(  # the optimizer gets (and ZeRO partitions) what is trained
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
     )
     start, state = checkpointer.restore(engine)
+    peft = _peft_start(engine, spec, config, start, state) if spec.peft is not None else None
     verify = spec.run.verify
     # what came back, compared exactly with the saving run's final digest (a collective: every rank)
     restored_digest = _parameter_digest(engine, spec.strategy.zero_stage) if start and verify else None
@@ -111,7 +117,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
             done % spec.run.log_every == 0 and preempt_probe()
         if preempted or _checkpoint_due(spec, done):
             tc = time.perf_counter()
-            checkpointer.save(engine, done, metrics, _client_state(pipeline, on_gpu))
+            checkpointer.save(engine, done, metrics, _client_state(pipeline, on_gpu, config.get("peft_base")))
             checkpoint_s += time.perf_counter() - tc
         elif done % spec.run.log_every == 0 or (evals and evals[-1]["step"] == done):
             ray.train.report(metrics)
@@ -132,6 +138,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     node = ray.get_runtime_context().get_node_id()
     data_brief = {k: v for k, v in data_metrics.items() if k != "timeline"} if data_metrics else None
     digest = _parameter_digest(engine, spec.strategy.zero_stage) if verify else None
+    if peft is not None and verify:
+        peft["frozen_digest_end"], peft["trainable_digest_end"] = adapter.split_digests(engine.module)
     if verify and first_batch is not None:
         probed = probe(engine, evaluator, first_batch)  # a collective under ZeRO-3
         if rank == 0:
@@ -148,8 +156,26 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         data_ranks=[r[2] for r in ranks] if data_metrics else None,
         data_timeline=data_metrics["timeline"] if data_metrics else None,
         checkpoint=checkpointer.metrics(), preempted=preempted, evals=evals,
-        peak_memory_bytes=[r[3] for r in ranks],
+        peak_memory_bytes=[r[3] for r in ranks], peft=peft,
     )
+
+
+def _peft_start(engine, spec, config: dict[str, Any], start: int, state: dict[str, Any]) -> dict[str, Any]:
+    """What the adapter trains (counted on the engine's module: ZeRO-3 parameters by their full
+    size); a resumed run checks that the checkpoint's adapter was trained on this base. Under
+    run.verify the frozen and trainable parameters' digests as training starts."""
+    from raylib.train import adapter
+
+    saved = state.get("peft_base")
+    if start and saved is not None and saved != config["peft_base"]:
+        raise adapter.PeftError(f"the checkpoint of step {start} holds an adapter trained on another base "
+                                f"model (digest {saved[:12]}, now {config['peft_base'][:12]}); resume "
+                                "with the base it was trained on")
+    info = adapter.describe(engine.module, spec)
+    info["base_digest"] = config["peft_base"]
+    if spec.run.verify:
+        info["frozen_digest_start"], info["trainable_digest_start"] = adapter.split_digests(engine.module)
+    return info
 
 
 def _peak_memory(on_gpu: bool) -> int:
@@ -180,9 +206,9 @@ def _tiered_pipeline(spec, task, index, ctx, micro, rows_per_step, start, state,
     return pipeline
 
 
-def _client_state(pipeline, on_gpu: bool) -> dict[str, Any]:
+def _client_state(pipeline, on_gpu: bool, peft_base: str | None = None) -> dict[str, Any]:
     """What a rank saves besides the engine: where its data stream is, and its RNG (dropout), so
-    a resumed run continues exactly as an uninterrupted one would."""
+    a resumed run continues exactly as an uninterrupted one would; for PEFT, the base's digest."""
     import torch
     import torch.distributed as dist
 
@@ -194,7 +220,7 @@ def _client_state(pipeline, on_gpu: bool) -> dict[str, Any]:
     # rank's state goes in, each rank takes its own back on restore.
     everyone: list[dict[str, Any] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    return {"ranks": everyone}
+    return {"ranks": everyone, **({"peft_base": peft_base} if peft_base else {})}
 
 
 def _own_state(state: dict[str, Any], rank: int) -> dict[str, Any]:

@@ -56,6 +56,13 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
         build(DatasetManifest.load(spec.data.manifest), spec.data.path, progress=progress)
     index = read_index(spec.data.path)
     config = model_config(spec, index)  # family, overrides, task and data checked against each other
+    peft_base = None
+    if spec.peft is not None:  # peft's settings against the model and task, and the run's base
+        from raylib.train.adapter import base_digest, check_base, check_peft
+
+        check_peft(spec, config)
+        peft_base = base_digest(spec, config)
+        check_base(spec.run_dir(), peft_base, spec.model.pretrained, resuming=_has_checkpoint(spec.run_dir()))
     if spec.run.eval_every and not index.validation:
         log.warning("run.eval_every=%d but the dataset at %s has no validation split: no evaluation "
                     "(give its manifest a `validation:` and rebuild with --force)",
@@ -90,6 +97,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
         "on_gpu": on_gpu,
         "run_dir": str(run_dir),
         "index": dataclasses.asdict(index),
+        "peft_base": peft_base,
     }
     job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
     parts: list[RunHistory] = []
@@ -247,6 +255,11 @@ def last_checkpoint(spec: JobSpec, run_dir: Path) -> str:
     if not dirs:
         return "No checkpoint was recorded: the run starts from step 0 when run again."
     return f"The last good checkpoint is {dirs[-1]}; running the same job again resumes from it."
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    """Whether running this spec again resumes (Ray Train restores the run from its directory)."""
+    return (run_dir / "checkpoint_manager_snapshot.json").is_file() or any(run_dir.glob("checkpoint_*"))
 
 
 def _check_data_fits(spec: JobSpec, index, micro: int) -> None:

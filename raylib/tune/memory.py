@@ -39,6 +39,8 @@ class ModelShape:
     vocab: int
     """Width of the output logits: the vocabulary for language models, the labels for classifiers."""
     seq_len: int
+    trainable: int | None = None
+    """Parameters the optimizer updates (PEFT: the adapter's); None: all of them."""
 
 
 @dataclass(frozen=True)
@@ -75,23 +77,26 @@ def model_shape(spec, index) -> ModelShape:
     hidden = config.hidden_size
     inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
     lm = task_for(spec, index).kind == "packed"
+    trainable = None
+    if spec.peft is not None:
+        from raylib.train.adapter import check_peft
+
+        trainable = check_peft(spec, config)["trainable_parameters"]
     return ModelShape(params=params, largest_module_params=largest, layers=config.num_hidden_layers,
                       hidden=hidden, heads=config.num_attention_heads, intermediate=inner,
-                      vocab=index.vocab_size if lm else config.num_labels, seq_len=index.seq_len)
+                      vocab=index.vocab_size if lm else config.num_labels, seq_len=index.seq_len,
+                      trainable=trainable)
 
 
 def estimate(shape: ModelShape, strategy, world: int, on_gpu: bool) -> MemoryEstimate:
     """Peak memory of one worker running `strategy` (a StrategySpec)."""
     s, n, p = strategy, world, shape.params
+    t = shape.trainable if shape.trainable is not None else p  # PEFT: gradients and states of these
     low = s.precision in ("fp16", "bf16")
     weight_bytes = 2 if low else 4
-    moments = ADAM_MOMENT_BYTES if s.optimizer.type in ("adam", "adamw") else 0
-    master = 4 if (low or s.zero_stage >= 1) else 0
-    optimizer = (moments + master) * p
-    grads = weight_bytes * p
+    optimizer = optimizer_state_bytes(t, s, n)
+    grads = weight_bytes * t
     params = weight_bytes * p
-    if s.zero_stage >= 1:
-        optimizer //= n
     if s.zero_stage >= 2:
         grads //= n
     gathered = 0
@@ -111,6 +116,16 @@ def estimate(shape: ModelShape, strategy, world: int, on_gpu: bool) -> MemoryEst
     if not on_gpu:  # the "device" is the host: offloading moves nothing
         device, host = device + host, 0
     return MemoryEstimate(device_bytes=int(device), host_bytes=int(host))
+
+
+def optimizer_state_bytes(trainable: int, strategy, world: int = 1) -> int:
+    """Optimizer states of `trainable` parameters (Adam's two moments, plus the fp32 master copy
+    when training in 16 bits or under ZeRO), per rank at `world` ranks (ZeRO >= 1 partitions them)."""
+    low = strategy.precision in ("fp16", "bf16")
+    moments = ADAM_MOMENT_BYTES if strategy.optimizer.type in ("adam", "adamw") else 0
+    master = 4 if (low or strategy.zero_stage >= 1) else 0
+    total = (moments + master) * trainable
+    return total // world if strategy.zero_stage >= 1 else total
 
 
 def _activations(shape: ModelShape, s) -> int:

@@ -3,7 +3,7 @@
 A manifest (datasets/*.yaml, `DatasetManifest`) names the text and how to tokenize it:
 
     name: my-corpus
-    source:                       # your files; leave out for the synthetic e-commerce generator
+    source:                       # your files; leave out for a synthetic generator
       url: s3://bucket/corpus/    # a file, a directory or a glob, at any fsspec URL
       format: auto                # auto | txt | jsonl | csv | parquet
       text_column: text
@@ -11,7 +11,8 @@ A manifest (datasets/*.yaml, `DatasetManifest`) names the text and how to tokeni
       tags_column: null           # token classification: a tag per whitespace word
       txt_unit: line              # .txt: a document per line or per file
       storage_options: {}         # fsspec options (credentials come from the environment)
-    generator: synthetic-ecommerce  # or -sentiment / -tags; only without a source
+    generator: synthetic-ecommerce  # or -sentiment / -tags; synthetic-finance or -sentiment /
+                                    # -risk (raylib.data.finance); only without a source
     tokenizer: {type: wordpiece, vocab_size: 4000}   # wordpiece | bpe | pretrained (path: DIR)
     labels: null                  # the label (or tag) names in id order; default: sorted unique
     validation: {fraction: 0.05, seed: 0}            # or {url: ...}, or null for none
@@ -53,9 +54,25 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from raylib.data.corpus import KINDS, SENTIMENTS, TAGS, document, labelled_review, tagged_document
+from raylib.data.finance import (
+    FINANCE_GENRES,
+    FINANCE_SENTIMENTS,
+    RISK_EVENTS,
+    finance_document,
+    labelled_risk,
+    labelled_sentiment,
+)
 from raylib.data.text import FORMATS, Document, TextSource, read_documents, resolve_files
 from raylib.fileio import load_yaml_mapping
 from raylib.spec import parse_size
@@ -74,7 +91,11 @@ ROLES = ("pad", "unk", "cls", "sep", "mask", "bos", "eos")
 LEGACY_ROLES = {token: role for role, token in WORDPIECE_SPECIAL.items()}
 """special_ids keys of an index.json without `format` (raylib before format 2) -> roles."""
 IGNORE_INDEX = -100
-GENERATORS = ("synthetic-ecommerce", "synthetic-ecommerce-sentiment", "synthetic-ecommerce-tags")
+GENERATORS = ("synthetic-ecommerce", "synthetic-ecommerce-sentiment", "synthetic-ecommerce-tags",
+              "synthetic-finance", "synthetic-finance-sentiment", "synthetic-finance-risk")
+FINANCE_GENERATORS = GENERATORS[3:]
+ECOMMERCE_MIX = {"title": 0.4, "review": 0.4, "query": 0.2}
+FINANCE_MIX = {genre: 0.25 for genre in FINANCE_GENRES}
 SYNTHETIC_VALIDATION_FRACTION = 0.05
 VALIDATION_OFFSET = 1 << 40
 """Synthetic validation documents are documents VALIDATION_OFFSET + j of the generator: past any
@@ -212,8 +233,9 @@ class DatasetManifest(_Model):
     tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
     tokenizer_sample: str = "1MB"
     """Raw text (the first training documents) the tokenizer is trained on."""
-    mix: dict[str, float] = Field(default_factory=lambda: {"title": 0.4, "review": 0.4, "query": 0.2})
-    """synthetic-ecommerce(-tags): weights of the document kinds."""
+    mix: dict[str, float] = Field(default_factory=lambda: dict(ECOMMERCE_MIX))
+    """Weights of the document kinds: synthetic-ecommerce(-tags) title / review / query (default
+    ECOMMERCE_MIX); synthetic-finance announcement / dialogue / news / report (default equal)."""
     labels: list[str] | None = None
     """Label (or tag) names in id order; every label in the data must be one of them. Default:
     the labels found, sorted (numerically when they are all integers)."""
@@ -230,10 +252,13 @@ class DatasetManifest(_Model):
 
     @field_validator("mix")
     @classmethod
-    def _mix(cls, v: dict[str, float]) -> dict[str, float]:
-        unknown = sorted(set(v) - set(KINDS))
+    def _mix(cls, v: dict[str, float], info: ValidationInfo) -> dict[str, float]:
+        if "generator" not in info.data:  # the generator is invalid: that is the error to report
+            return v
+        kinds = FINANCE_GENRES if info.data["generator"] in FINANCE_GENERATORS else KINDS
+        unknown = sorted(set(v) - set(kinds))
         if unknown:
-            raise ValueError(f"unknown document kind(s) {unknown}; allowed: {list(KINDS)}")
+            raise ValueError(f"unknown document kind(s) {unknown}; allowed: {list(kinds)}")
         if sum(v.values()) <= 0 or min(v.values()) < 0:
             raise ValueError("mix weights must be >= 0 with a positive sum")
         return v
@@ -262,6 +287,8 @@ class DatasetManifest(_Model):
                 raise ValueError("give a source (your files) or a generator (synthetic), not both")
         else:
             self.generator = self.generator or "synthetic-ecommerce"
+            if "mix" not in explicit and self.generator in FINANCE_GENERATORS:
+                self.mix = dict(FINANCE_MIX)
             self.size = self.size or "4MB"
         if self.tokenizer.vocab_size is not None and "vocab_size" in explicit \
                 and self.tokenizer.vocab_size != self.vocab_size:
@@ -292,7 +319,9 @@ class DatasetManifest(_Model):
         if self.source is not None:
             return "label" if self.source.label_column else "labels" if self.source.tags_column else None
         return {"synthetic-ecommerce-sentiment": "label",
-                "synthetic-ecommerce-tags": "labels"}.get(self.generator or "")
+                "synthetic-ecommerce-tags": "labels",
+                "synthetic-finance-sentiment": "label",
+                "synthetic-finance-risk": "label"}.get(self.generator or "")
 
     @property
     def kind(self) -> Literal["packed", "examples"]:
@@ -435,7 +464,9 @@ class _SyntheticCorpus(_Corpus):
         v = manifest.validation
         self.validation_chars = int(self.train_chars * v.fraction) if v and v.fraction else 0
         names = {"synthetic-ecommerce-sentiment": list(SENTIMENTS),
-                 "synthetic-ecommerce-tags": list(TAGS)}.get(manifest.generator or "")
+                 "synthetic-ecommerce-tags": list(TAGS),
+                 "synthetic-finance-sentiment": list(FINANCE_SENTIMENTS),
+                 "synthetic-finance-risk": list(RISK_EVENTS)}.get(manifest.generator or "")
         if names is not None and manifest.labels is not None:
             missing = [n for n in names if n not in manifest.labels]
             if missing:
@@ -452,6 +483,14 @@ class _SyntheticCorpus(_Corpus):
         if m.generator == "synthetic-ecommerce-tags":
             words, tags = tagged_document(m.seed, i, m.mix)
             return Document(" ".join(words), f"document {i}", words=words, tags=tags)
+        if m.generator == "synthetic-finance-sentiment":
+            text, label = labelled_sentiment(m.seed, i)
+            return Document(text, f"document {i}", label=label)
+        if m.generator == "synthetic-finance-risk":
+            text, label = labelled_risk(m.seed, i)
+            return Document(text, f"document {i}", label=label)
+        if m.generator == "synthetic-finance":
+            return Document(finance_document(m.seed, i, m.mix), f"document {i}")
         return Document(document(m.seed, i, m.mix), f"document {i}")
 
     def train(self) -> Iterator[Document]:

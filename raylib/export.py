@@ -63,6 +63,9 @@ ROLES = {"pad": "pad_token", "unk": "unk_token", "cls": "cls_token", "sep": "sep
 _LEGACY_ROLES = {"[PAD]": "pad", "[UNK]": "unk", "[CLS]": "cls", "[SEP]": "sep", "[MASK]": "mask"}
 
 
+MERGEABLE = ("lora", "ia3")  # raylib.train.adapter.MERGEABLE (not imported: it imports torch)
+
+
 class ExportError(ValueError):
     """The run cannot be exported as asked; the message names what is missing and the fix."""
 
@@ -90,25 +93,42 @@ class Candidate:
 
 
 def export(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None,
-           force: bool = False) -> Path:
+           force: bool = False, merge: bool = False) -> Path:
     """Write the model trained by the run in `run_dir` (its newest complete checkpoint, or `step`)
     to `out_dir` in Hugging Face format, with its tokenizer; returns `out_dir`. `out_dir` must not
     exist or be empty unless `force` (then its contents are replaced, once the export succeeded).
+
+    A PEFT run (`peft:` in its spec) is exported as its adapter (peft's save_pretrained:
+    adapter_config.json, adapter_model.safetensors) plus the frozen base it was trained on in
+    `out_dir/base`, so plain `PeftModel.from_pretrained(AutoModelFor<Task>.from_pretrained(DIR/base),
+    DIR)` loads it; with `merge`, as the merged model (no peft needed to load it).
     Raises ExportError (a ValueError) naming what is missing and the fix."""
     run_dir = Path(run_dir).expanduser().resolve()
     out = Path(out_dir).expanduser().resolve()
     spec = _read_spec(run_dir)
     _check_out(out, run_dir, force)
+    if merge and spec.peft is None:
+        raise ExportError(f"--merge applies to PEFT runs; run {run_dir.name!r} trained every weight: "
+                          "export it without --merge")
+    if merge and spec.peft.method not in MERGEABLE:
+        raise ExportError(f"--merge: peft method {spec.peft.method} adds a prompt, which does not fold into "
+                          f"the weights (only {' and '.join(MERGEABLE)} merge); export the adapter "
+                          "without --merge")
     listing = _Listing()
     chosen = choose(candidates(run_dir, spec, listing), run_dir, step, listing)
     index = _read_index(spec, run_dir)
-    model = _model_skeleton(spec, index, run_dir)
+    base = None
+    if spec.peft is not None:
+        base, model = _peft_model(spec, index, run_dir)
+    else:
+        model = _model_skeleton(spec, index, run_dir)
     tokenizer = build_tokenizer(spec, index)
 
     scratch = tempfile.mkdtemp(prefix="raylib-export-")
     try:
         state = consolidate(chosen, scratch)
-        load_weights(model, state, f"step {chosen.step} of {chosen.where}")
+        what = f"step {chosen.step} of {chosen.where}"
+        load_adapter(model, state, what) if spec.peft is not None else load_weights(model, state, what)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -116,11 +136,22 @@ def export(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | N
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         model.eval()
-        # transformers >= 5 always writes safetensors (its save_pretrained has no other format)
-        model.save_pretrained(staging)
+        adapter = spec.peft is not None and not merge
+        if adapter:
+            staging.mkdir()
+            base.save_pretrained(staging / "base")  # the frozen base, as trained on (before wrapping)
+            tokenizer.save_pretrained(staging / "base")
+            # AutoPeftModelFor* finds the base here
+            model.peft_config[model.active_adapter].base_model_name_or_path = str(out / "base")
+            model.save_pretrained(staging)
+        else:
+            if spec.peft is not None:
+                model = model.merge_and_unload()  # the adapter folded into the base's weights
+            # transformers >= 5 always writes safetensors (its save_pretrained has no other format)
+            model.save_pretrained(staging)
         if not any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json")
                    for n in os.listdir(staging)):
-            raise ExportError(f"transformers wrote no safetensors weights into {staging}: "
+            raise ExportError(f"no safetensors weights were written into {staging}: "
                               f"{sorted(os.listdir(staging))}")
         tokenizer.save_pretrained(staging)
         (staging / PROVENANCE).write_text(json.dumps({
@@ -128,6 +159,8 @@ def export(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | N
             "checkpoint": chosen.where, "world_size": chosen.world_size, "task": spec.task.type,
             "model_class": type(model).__name__, "auto_class": _auto_class(spec),
             "dataset": spec.data.path,
+            "peft": None if spec.peft is None else {"method": spec.peft.method, "merged": merge,
+                                                    "base": "base" if adapter else None},
         }, indent=2) + "\n")
         if out.exists():
             if force:
@@ -150,20 +183,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="export checkpoint step N (default: the newest complete one)")
     p.add_argument("--force", action="store_true",
                    help="replace the contents of a non-empty --out directory")
+    p.add_argument("--merge", action="store_true",
+                   help="PEFT runs: write the model with the adapter merged into its weights (lora, ia3) "
+                        "instead of the adapter and its base")
 
 
 def main(args: argparse.Namespace) -> int:
     """`raylib export`: 0 when DIR holds the model, 2 (with one error line) when it cannot."""
     try:
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints; stdout is the report's
-            out = export(args.run_dir, args.out, step=args.step, force=args.force)
+            out = export(args.run_dir, args.out, step=args.step, force=args.force,
+                         merge=getattr(args, "merge", False))
     except ExportError as e:
         print(f"raylib: error: {e}", file=sys.stderr)
         return 2
     about = json.loads((out / PROVENANCE).read_text())
     print(f"exported step {about['step']} of {about['run_dir']} ({about['model_class']}) to {out}")
-    print(f"load it with: transformers.{about['auto_class']}.from_pretrained({str(out)!r}) and "
-          f"AutoTokenizer.from_pretrained({str(out)!r})")
+    if (about.get("peft") or {}).get("base"):
+        print(f"load it with: peft.PeftModel.from_pretrained(transformers.{about['auto_class']}"
+              f".from_pretrained({str(out / 'base')!r}), {str(out)!r}) and "
+              f"AutoTokenizer.from_pretrained({str(out)!r})")
+    else:
+        print(f"load it with: transformers.{about['auto_class']}.from_pretrained({str(out)!r}) and "
+              f"AutoTokenizer.from_pretrained({str(out)!r})")
     return 0
 
 
@@ -466,6 +508,25 @@ def load_weights(model, state: dict[str, Any], what: str) -> None:
                           "none it has)")
 
 
+def load_adapter(model, state: dict[str, Any], what: str) -> None:
+    """Load a PEFT checkpoint's state (the trainable parameters; the frozen base was not saved)
+    into the wrapped model: every trainable parameter must come from `state`, and nothing of
+    `state` may lack a place in the model."""
+    expected = model.state_dict()
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise ExportError(f"{what} holds weights the adapter has no place for: {_few(unexpected)}; was "
+                          "the run trained with other peft settings?")
+    mismatched = [f"{k} {tuple(state[k].shape)} vs {tuple(expected[k].shape)}" for k in state
+                  if tuple(state[k].shape) != tuple(expected[k].shape)]
+    if mismatched:
+        raise ExportError(f"{what} does not fit the adapter: shapes differ for {_few(mismatched)}")
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in state]
+    if missing:
+        raise ExportError(f"{what} lacks trained parameters of the adapter: {_few(missing)}")
+    model.load_state_dict(state, strict=False)
+
+
 def _storage(t) -> tuple[int, tuple[int, ...]]:
     return t.data_ptr(), tuple(t.shape)
 
@@ -496,6 +557,36 @@ def _model_skeleton(spec, index, run_dir: Path):
     auto = getattr(transformers, task.auto_class)
     torch.manual_seed(0)  # every weight is overwritten; fixed anyway
     return auto.from_config(config)
+
+
+def _peft_model(spec, index, run_dir: Path):
+    """(the frozen base, exactly as the run built it, and a copy of it wrapped by peft as the run
+    wrapped it); the base must be the one the adapter was trained on (<run dir>/model/base.json)."""
+    import copy
+
+    import torch
+    import transformers
+
+    from raylib.train import adapter
+    from raylib.train.model import build_model
+
+    saved = run_dir / MODEL_CONFIG_DIR / "config.json"
+    try:
+        config = transformers.AutoConfig.from_pretrained(saved.parent) if saved.is_file() else None
+        from raylib.train.model import model_config
+
+        config = config or model_config(spec, index)
+        base = build_model(spec, index, seed=spec.run.seed, config=config)
+        digest = adapter.base_digest(spec, config)
+    except (ValueError, OSError) as e:
+        raise ExportError(f"the base model of PEFT run {run_dir} cannot be rebuilt: {e}") from None
+    record = run_dir / MODEL_CONFIG_DIR / adapter.BASE_RECORD
+    if record.is_file() and json.loads(record.read_text()).get("digest") != digest:
+        raise ExportError(f"the base model of run {run_dir.name!r} changed since it was trained "
+                          f"({spec.model.pretrained or 'its config'}): the adapter would be exported for "
+                          "weights it was not trained with; restore that base and export again")
+    torch.manual_seed(spec.run.seed + 1)  # as the workers did (every trained weight is overwritten)
+    return base, adapter.wrap(copy.deepcopy(base), spec, config.model_type)
 
 
 def special_roles(index) -> dict[str, int]:

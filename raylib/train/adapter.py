@@ -163,7 +163,9 @@ def base_digest(spec: JobSpec, config: PretrainedConfig) -> str:
     import fsspec
 
     h = hashlib.sha256()
-    h.update(config.to_json_string(use_diff=False).encode())
+    fields = {k: v for k, v in config.to_dict().items()  # not where it was read from, nor by which version
+              if k not in ("_name_or_path", "transformers_version")}
+    h.update(json.dumps(fields, sort_keys=True, default=str).encode())
     h.update(f"seed={spec.run.seed}".encode())
     if spec.model.pretrained is not None:
         fs, root = fsspec.core.url_to_fs(spec.model.pretrained)

@@ -36,7 +36,7 @@ CONFIGS = ROOT / "jobs" / "configs" / "finance"
 DATASETS = ROOT / "datasets"
 SIZES = {
     # preset of the general model; optimizer steps per stage; raw text of the finance corpora
-    "tiny": {"preset": "bert-tiny", "general": 40, "continue": 20, "finetune": 120, "corpus": "240KB",
+    "tiny": {"preset": "bert-tiny", "general": 30, "continue": 20, "finetune": 120, "corpus": "240KB",
              "labelled": "160KB"},
     "small": {"preset": "bert-mini", "general": 300, "continue": 200, "finetune": 200, "corpus": "480KB",
               "labelled": "240KB"},
@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/finance", help="where runs, models and the report go")
     parser.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or embedded)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-general-comparison", action="store_true",
+                        help="leave out stage 4 (LoRA on the general model, without the domain stage)")
     args = parser.parse_args(argv)
 
     import logging
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("raylib").setLevel(logging.INFO)
     try:
         report = run_pipeline(Path(args.out), args.size, base=args.base, address=args.address,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, compare_general=not args.no_general_comparison)
     except (ValueError, FileNotFoundError) as e:
         print(f"finance: error: {e}", file=sys.stderr)
         return 2
@@ -156,8 +158,8 @@ def _run(out: Path, config: str, data: str, steps: int, start: str | None, addre
                  "run.output_dir": str(out / "runs"), **sets}
     if start is not None:
         overrides["model.pretrained"] = start
-    sets = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
-    spec = JobSpec.from_yaml(CONFIGS / config, overrides=sets)
+    items = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    spec = JobSpec.from_yaml(CONFIGS / config, overrides=items)
     return raylib.run(spec, address=address, progress=progress)
 
 

@@ -50,6 +50,7 @@ class TrialProbe(WorkerGroupCallback, ReportCallback):
         self.settings = settings
         self._to_tune = TuneReportCallback()
         self._workers = None
+        self._eval_loss = float("inf")
         self._since: tuple[int, float] | None = None  # (step, time) of the first report after warm-up
 
     def after_worker_group_start(self, worker_group) -> None:
@@ -70,6 +71,10 @@ class TrialProbe(WorkerGroupCallback, ReportCallback):
             samples_per_s = s.global_batch * (step - self._since[0]) / (now - self._since[1])
             result = {"step": step, "loss": metrics[0]["loss"], "peak_memory_bytes": self._peak_memory(),
                       **objective_metrics(samples_per_s, s.seq_len, s.world_size, s.price_per_device_hour)}
+            if "eval_loss" in metrics[0]:
+                self._eval_loss = metrics[0]["eval_loss"]
+            # Tune wants the objective in every result: the latest validation loss (inf before any)
+            result["eval_loss"] = self._eval_loss
             self._to_tune.after_report(None, [result], training_report.checkpoint)
         self._maybe_crash(step)
 

@@ -65,7 +65,7 @@ def _trial_row(result, config: dict[str, Any], cand: Candidate | None, tune: Tun
     else:
         row.update(status="stopped", note=f"early-stopped at step {m.get('step')}")
     if result.error is None:
-        for key in ("samples_per_s", "tokens_per_s", "usd_per_mtok"):
+        for key in ("samples_per_s", "tokens_per_s", "usd_per_mtok", "eval_loss", "eval_accuracy"):
             if key in m:
                 row[key] = m[key]
     row["trial_s"] = round(m["time_total_s"], 1) if "time_total_s" in m else None  # to its last report
@@ -106,13 +106,19 @@ def overrides(sections: dict[str, dict[str, Any]]) -> list[str]:
     def scalar(v: Any) -> str:
         return str(v).lower() if isinstance(v, bool) else str(v)
 
-    return [f"{section}.{key}={scalar(value)}" for section, values in sections.items()
-            for key, value in values.items()]
+    def flat(prefix: str, node: dict[str, Any]) -> list[str]:
+        out = []
+        for key, value in node.items():
+            out += flat(f"{prefix}{key}.", value) if isinstance(value, dict) else \
+                [f"{prefix}{key}={scalar(value)}"]
+        return out
+
+    return flat("", sections)
 
 
 def format_table(table: list[dict[str, Any]]) -> str:
-    columns = ["trial", "status", "config", *[c for c in ("samples_per_s", "usd_per_mtok", "peak_gib",
-                                                         "estimated_gib") if any(c in r for r in table)],
+    metrics = ("eval_loss", "samples_per_s", "usd_per_mtok", "peak_gib", "estimated_gib")
+    columns = ["trial", "status", "config", *[c for c in metrics if any(c in r for r in table)],
                "note"]
     cells = [[_cell(r.get(c)) for c in columns] for r in table]
     widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c)
@@ -135,7 +141,8 @@ def plot(table: list[dict[str, Any]], tune: TuneSpec, path: Path) -> None:
     ax.barh(range(len(ran)), [r[tune.metric] for r in ran], color=[colors[r["status"]] for r in ran])
     ax.set_yticks(range(len(ran)), [r["config"] for r in ran], fontsize=7)
     ax.invert_yaxis()  # best on top
-    unit = "samples/s (after warm-up)" if tune.metric == "samples_per_s" else "USD per million tokens"
+    unit = {"samples_per_s": "samples/s (after warm-up)", "usd_per_mtok": "USD per million tokens",
+            "eval_loss": "validation loss at the end"}[tune.metric]
     ax.set(xlabel=unit, title="tuning trials (grey: early-stopped, at its last report)")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()

@@ -65,6 +65,9 @@ def tune(spec: JobSpec, settings: TuneSpec | None = None, address: str | None = 
     _check_same_settings(out / "tune.yaml", settings, resume)
 
     index = _dataset_index(spec)
+    if settings.objective == "eval_loss" and not index.validation:
+        raise ValueError(f"objective eval_loss needs a validation split, and the dataset at {spec.data.path} "
+                         "has none; give its manifest a `validation:` and rebuild it with --force")
     runtime.connect(address, num_cpus_needed=spec.world_size * spec.scaling.cpus_per_worker)
     on_gpu = decide_gpu(spec, ray.cluster_resources())
     global_batch = resolve_ds_config(spec)["train_batch_size"]
@@ -97,13 +100,14 @@ def tune(spec: JobSpec, settings: TuneSpec | None = None, address: str | None = 
 def _search_space(spec: JobSpec, base: dict[str, Any], settings: TuneSpec, global_batch: int, index,
                   on_gpu: bool):
     """Every candidate (runnable, pruned or invalid) and the runnable configs in prior order."""
+    from raylib.train.model import model_config
     from raylib.tune import memory
     from raylib.tune.search import prior_order
     from raylib.tune.space import candidates
 
     shape = memory.model_shape(spec, index)
     hardware = memory.detect(spec, shape, on_gpu, settings.budget_bytes())
-    cands = candidates(base, settings, global_batch, hardware)
+    cands = candidates(base, settings, global_batch, hardware, model_config(spec, index))
     runnable = prior_order([c.config for c in cands if c.status == "candidate"],
                            settings.objective, on_gpu)
     if not runnable:

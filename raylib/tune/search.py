@@ -12,6 +12,7 @@ micro-batch. `grid` runs every candidate, `random` a seeded sample.
 from __future__ import annotations
 
 import json
+import math
 import random
 from typing import Any
 
@@ -33,13 +34,20 @@ _PREFERRED = {
     "overlap_comm": lambda v, ctx: v != ctx["on_gpu"],  # GPU: overlap on streams; CPU: no streams
     "reduce_bucket_size": lambda v, ctx: -v,
     "allgather_bucket_size": lambda v, ctx: -v,
+    # fine-tuning: peft's common defaults first (LoRA, rank 8); learning rates in the given order
+    "peft.method": lambda v, ctx: ["lora", "ia3", "p_tuning", "prefix_tuning"].index(v),
+    "peft.r": lambda v, ctx: abs(math.log2(v / 8)),
 }
+
+
+def _AS_GIVEN(v, ctx) -> int:
+    return 0  # sorted() is stable: the space's own order
 
 
 def prior_order(configs: list[dict[str, Any]], objective: str, on_gpu: bool) -> list[dict[str, Any]]:
     ctx = {"objective": objective, "on_gpu": on_gpu}
     keys = [k for k in SPACE_KEYS if configs and k in configs[0]]
-    return sorted(configs, key=lambda c: tuple(_PREFERRED[k](c[k], ctx) for k in keys))
+    return sorted(configs, key=lambda c: tuple(_PREFERRED.get(k, _AS_GIVEN)(c[k], ctx) for k in keys))
 
 
 class StrategySearcher(Searcher):

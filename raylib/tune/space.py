@@ -29,11 +29,15 @@ SPACE_KEYS = {
     "reduce_bucket_size": "strategy",
     "allgather_bucket_size": "strategy",
     "prefetch_batches": "data",
+    # fine-tuning settings: the same machinery searches them (objective eval_loss ranks by quality)
+    "peft.method": "peft",
+    "peft.r": "peft",
+    "lr": "strategy.optimizer",
 }
 # Keys whose values have an order (neighbours in the coordinate search are adjacent values);
 # precision is categorical and booleans have two values.
 ORDERED_KEYS = {"zero_stage", "micro_batch_size", "num_workers", "reduce_bucket_size",
-                "allgather_bucket_size", "prefetch_batches"}
+                "allgather_bucket_size", "prefetch_batches", "peft.r", "lr"}
 MAX_AUTO_MICRO_BATCHES = 4
 
 
@@ -52,9 +56,11 @@ class TuneSpec(BaseModel):
     space: dict[str, list[Any]] = Field(default_factory=default_space)
     """Values to try per key (see SPACE_KEYS). micro_batch_size, when absent, is every power of two
     (and the largest value) that divides global batch / workers, the largest few."""
-    objective: Literal["throughput", "cost_per_token"] = "throughput"
+    objective: Literal["throughput", "cost_per_token", "eval_loss"] = "throughput"
     """throughput: maximise samples/s. cost_per_token: minimise USD per million tokens
-    (price_per_device_hour x workers / tokens/s); differs when num_workers is searched."""
+    (price_per_device_hour x workers / tokens/s); differs when num_workers is searched. eval_loss:
+    minimise the validation loss at a trial's end (searching peft.method, peft.r, lr; needs a
+    dataset with a validation split; no early stopping)."""
     price_per_device_hour: float | None = Field(None, gt=0)
     """USD per worker device (GPU, or CPU worker) per hour; needed by cost_per_token."""
     memory_budget: int | str | None = None
@@ -108,6 +114,12 @@ class TuneSpec(BaseModel):
                              f"steps={self.steps}")
         if self.memory_budget is not None:
             self.budget_bytes()  # a readable error now rather than at launch
+        if self.objective == "eval_loss" and self.early_stopping:
+            if "early_stopping" in self.model_fields_set:
+                raise ValueError("objective eval_loss ranks trials by their final validation loss: "
+                                 "early stopping (ASHA, on throughput rungs) does not apply; set "
+                                 "early_stopping: false")
+            object.__setattr__(self, "early_stopping", False)  # not an explicit setting
         return self
 
     @classmethod
@@ -135,7 +147,8 @@ class TuneSpec(BaseModel):
 
     @property
     def metric(self) -> str:
-        return "samples_per_s" if self.objective == "throughput" else "usd_per_mtok"
+        return {"throughput": "samples_per_s", "cost_per_token": "usd_per_mtok",
+                "eval_loss": "eval_loss"}[self.objective]
 
     @property
     def mode(self) -> str:
@@ -163,12 +176,17 @@ class Candidate:
         return " ".join(f"{_short(k)}={_fmt(self.config[k])}" for k in keys)
 
 
-def candidates(base: dict[str, Any], tune: TuneSpec, global_batch: int, hardware) -> list[Candidate]:
+def candidates(base: dict[str, Any], tune: TuneSpec, global_batch: int, hardware,
+               model_config=None) -> list[Candidate]:
     """Every combination of the space at the fixed global batch, each either a candidate or
     marked invalid (the strategy cannot run here) or pruned (the memory model says it cannot fit).
 
-    base: the JobSpec as a dict; hardware: a memory.Hardware (device kind, budget, model shape).
+    base: the JobSpec as a dict; hardware: a memory.Hardware (device kind, budget, model shape);
+    model_config: the job's transformers config, for PEFT settings (checked with peft, their
+    trainable parameters in the memory model).
     """
+    import dataclasses
+
     from raylib.spec import JobSpec
     from raylib.train.strategy import resolve_ds_config
     from raylib.tune.memory import estimate, fits
@@ -193,13 +211,19 @@ def candidates(base: dict[str, Any], tune: TuneSpec, global_batch: int, hardware
         if reason:
             cand.status, cand.reason = "invalid", reason
             continue
+        shape = hardware.shape
         try:
             spec = JobSpec.from_dict(apply(base, config, global_batch))
             resolve_ds_config(spec, on_gpu=hardware.on_gpu)
+            if spec.peft is not None and model_config is not None:
+                from raylib.train.adapter import check_peft
+
+                trained = check_peft(spec, model_config)["trainable_parameters"]
+                shape = dataclasses.replace(shape, trainable=trained)
         except ValueError as e:
             cand.status, cand.reason = "invalid", str(e).splitlines()[-1].strip(" -")
             continue
-        est = estimate(hardware.shape, spec.strategy, spec.world_size, hardware.on_gpu)
+        est = estimate(shape, spec.strategy, spec.world_size, hardware.on_gpu)
         cand.memory = {"device": est.device_bytes, "host": est.host_bytes}
         reason = fits(est, hardware.budget)
         if reason:
@@ -219,27 +243,42 @@ def apply(base: dict[str, Any], config: dict[str, Any], global_batch: int) -> di
     import copy
 
     data = copy.deepcopy(base)
-    for key, value in config.items():
-        section = SPACE_KEYS.get(key, "strategy")  # gradient_accumulation_steps: strategy
-        data.setdefault(section, {})[key] = value
+    _set_all(data, config)
     data["strategy"]["global_batch_size"] = global_batch
     return data
 
 
 def patch(config: dict[str, Any], global_batch: int) -> dict[str, dict[str, Any]]:
-    """The JobSpec sections a tuned `config` changes (what `raylib run --set` / a YAML merge takes)."""
+    """The JobSpec sections a tuned `config` changes (what `raylib run --set` / a YAML merge takes),
+    nested as in the spec (e.g. lr -> strategy.optimizer.lr)."""
     out: dict[str, dict[str, Any]] = {}
-    for key, value in config.items():
-        out.setdefault(SPACE_KEYS.get(key, "strategy"), {})[key] = value
-    out["strategy"]["global_batch_size"] = global_batch
+    _set_all(out, config)
+    out.setdefault("strategy", {})["global_batch_size"] = global_batch
     return out
+
+
+def spec_path(key: str) -> list[str]:
+    """Where a space key lives in the JobSpec: peft.r -> [peft, r], lr -> [strategy, optimizer, lr]."""
+    return [*SPACE_KEYS.get(key, "strategy").split("."), key.rsplit(".", 1)[-1]]
+
+
+def _set_all(data: dict[str, Any], config: dict[str, Any]) -> None:
+    for key, value in config.items():  # gradient_accumulation_steps: strategy
+        *sections, name = spec_path(key)
+        node = data
+        for section in sections:
+            if not isinstance(node.get(section), dict):
+                node[section] = {}
+            node = node[section]
+        node[name] = value
 
 
 def _short(key: str) -> str:
     return {"zero_stage": "zero", "micro_batch_size": "micro", "gradient_accumulation_steps": "accum",
             "offload_optimizer": "off_opt", "offload_params": "off_par", "num_workers": "workers",
             "overlap_comm": "overlap", "reduce_bucket_size": "rbucket",
-            "allgather_bucket_size": "agbucket", "prefetch_batches": "prefetch"}.get(key, key)
+            "allgather_bucket_size": "agbucket", "prefetch_batches": "prefetch",
+            "peft.method": "peft", "peft.r": "r"}.get(key, key)
 
 
 def _fmt(v: Any) -> str:

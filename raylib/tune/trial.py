@@ -69,7 +69,11 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], global_batch: int, s
                          **objective_metrics(0.0, seq_len, spec.world_size, price)})
         return
     s = result.summary
-    ray_tune.report({"step": s["steps"], "status": "completed", "attempt": attempt,
+    quality = {k: v for k, v in (s.get("eval") or {}).items() if k.startswith("eval_")}
+    if tune["objective"] == "eval_loss" and "eval_loss" not in quality:
+        raise RuntimeError(f"trial {trial_id} ended without a validation loss: the dataset at "
+                           f"{spec.data.path} has no validation split")
+    ray_tune.report({"step": s["steps"], "status": "completed", "attempt": attempt, **quality,
                      "start_step": s["start_step"],
                      "data_wait_fraction": s["data_wait_fraction"], "trial_wall_s": s["wall_s"],
                      **objective_metrics(s["samples_per_s"] or 0.0, seq_len, spec.world_size, price)})

@@ -152,3 +152,42 @@ def test_shipped_tune_settings_load():
 
     for path in sorted((REPO / "jobs" / "tune").glob("*.yaml")):
         assert TuneSpec.from_yaml(path).space, path
+
+
+def test_peft_settings_are_searched_with_the_same_machinery(cpu, tmp_path):
+    """peft.method, peft.r and lr: spec paths of their own, invalid combinations recorded with
+    peft's reason (masked-LM has no virtual-token methods), the memory model fed each candidate's
+    trainable parameters, and the patch nested as the spec is."""
+    from raylib.data.build import DatasetIndex
+    from raylib.train.model import model_config
+
+    base = {**BASE, "peft": {"method": "lora"}}
+    index = DatasetIndex(url="/d", seq_len=32, vocab_size=600, shards=[],
+                         special_ids={"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4})
+    config = model_config(JobSpec.from_dict(base), index)
+    space = {"micro_batch_size": [8], "peft.method": ["lora", "p_tuning"], "peft.r": [2, 16],
+             "lr": [1e-3, 1e-2]}
+    tune = TuneSpec(objective="eval_loss", space=space)
+    assert (tune.metric, tune.mode, tune.early_stopping) == ("eval_loss", "min", False)
+    cands = {c.label(): c for c in candidates(base, tune, 32, cpu, config)}
+    invalid = [c for c in cands.values() if c.status == "invalid"]
+    assert len(invalid) == 4 and all(c.config["peft.method"] == "p_tuning" for c in invalid)
+    assert all("cannot do task masked_lm" in c.reason for c in invalid)
+    small = cands["micro=8 peft=lora r=2 lr=0.001 accum=2"]
+    large = cands["micro=8 peft=lora r=16 lr=0.001 accum=2"]
+    assert small.status == large.status == "candidate"
+    assert small.memory["device"] < large.memory["device"]  # more adapter states to hold
+
+    spec = JobSpec.from_dict(apply(base, large.config, 32))
+    assert (spec.peft.r, spec.strategy.optimizer.lr, spec.strategy.micro_batch_size) == (16, 1e-3, 8)
+    sections = patch(large.config, 32)
+    assert sections["peft"] == {"method": "lora", "r": 16}
+    assert sections["strategy"]["optimizer"] == {"lr": 1e-3}
+    assert {"peft.r=16", "peft.method=lora", "strategy.optimizer.lr=0.001"} <= set(overrides(sections))
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(base))
+    spec = JobSpec.from_yaml(job, overrides=overrides(sections))
+    assert (spec.peft.r, spec.strategy.optimizer.lr) == (16, 1e-3)
+    with pytest.raises(ValueError, match="set early_stopping: false"):
+        TuneSpec(objective="eval_loss", early_stopping=True)
+

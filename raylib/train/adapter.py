@@ -45,6 +45,7 @@ def check_peft(spec: JobSpec, config: PretrainedConfig) -> dict[str, Any]:
     """Wrap the job's model on the meta device (no memory, no weights read): every setting is
     checked by raylib and by peft itself. Returns `describe` of the wrapped model."""
     import torch
+    import transformers
 
     from raylib.tasks import TASKS
 
@@ -56,8 +57,6 @@ def check_peft(spec: JobSpec, config: PretrainedConfig) -> dict[str, Any]:
         raise PeftError(f"peft.method {p.method} cannot do token_classification: the virtual tokens "
                         "shift the per-token logits off their labels (peft does not realign them); "
                         "use lora or ia3")
-    import transformers
-
     auto = getattr(transformers, TASKS[task].auto_class)
     with torch.device("meta"):  # the architecture, not the weights
         wrapped = wrap(auto.from_config(config), spec, config.model_type)

@@ -206,7 +206,7 @@ class PeftSpec(_Section):
     [query, value], gpt2 [c_attn], llama [q_proj, v_proj]."""
     modules_to_save: list[str] | None = None
     """Modules trained in full and saved with the adapter. None: the task's new head (classifier,
-    and BERT's pooler, which feeds it and is new when starting from a masked-LM checkpoint)."""
+    and BERT's pooler when model.pretrained has none, e.g. a masked-LM checkpoint)."""
     num_virtual_tokens: int = Field(20, gt=0)
     """prefix_tuning, p_tuning: length of the trained prompt."""
 

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 PEFT_TASK_TYPES = {"masked_lm": None, "causal_lm": "CAUSAL_LM",
                    "sequence_classification": "SEQ_CLS", "token_classification": "TOKEN_CLS"}
 # The head a classification task adds to the base (trained in full by default). BERT's pooler feeds
-# its classifier and is new when the base is a masked-LM checkpoint (which has none).
+# its classifier and is new when the base is a masked-LM checkpoint (which has none); a base built
+# from its config has one like every other weight.
 TASK_HEADS = {"sequence_classification": ("classifier", "score", "pooler"),
               "token_classification": ("classifier", "score")}
 MERGEABLE = ("lora", "ia3")  # methods whose update folds into the base weights
@@ -71,8 +72,9 @@ def peft_config(spec: JobSpec, model, family: str):
     task_type = PEFT_TASK_TYPES[task]
     to_save = p.modules_to_save
     if to_save is None:
-        to_save = [m for m in TASK_HEADS.get(task, ()) if _has_module(model, m)
-                   and (m != "pooler" or not _pretrained_has(spec.model.pretrained, "pooler"))] or None
+        pretrained = spec.model.pretrained
+        to_save = [m for m in TASK_HEADS.get(task, ()) if _has_module(model, m) and (
+            m != "pooler" or (pretrained is not None and not _pretrained_has(pretrained, "pooler")))] or None
     else:
         _check_names(model, to_save, "peft.modules_to_save")
     common = {"task_type": task_type}
@@ -229,11 +231,9 @@ def _default_targets(mapping: dict[str, list[str]], family: str, model) -> list[
     return list(mapping[family])
 
 
-def _pretrained_has(pretrained: str | None, module: str) -> bool:
+def _pretrained_has(pretrained: str, module: str) -> bool:
     """Whether the weights of model.pretrained hold `module` (e.g. BERT's pooler, which a masked-LM
     checkpoint lacks: then it is new, and trained with the head). Reads the files' key lists only."""
-    if pretrained is None:
-        return False
     import glob
     import os
 

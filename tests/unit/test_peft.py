@@ -72,14 +72,27 @@ def test_lora_defaults_per_family_and_counts(preset, task, targets):
 
 
 def _head(spec: JobSpec) -> int:
-    hidden = config_of(spec).hidden_size
-    return hidden * 3 + 3 + hidden * hidden + hidden  # classifier, and the pooler (new: no pretrained)
+    return config_of(spec).hidden_size * 3 + 3  # the classifier
 
 
-def test_classification_trains_its_new_head_in_full():
-    got = check(spec_of())
-    assert got["modules_to_save"] == ["classifier", "pooler"]
-    assert check(spec_of(modules_to_save=["classifier"]))["modules_to_save"] == ["classifier"]
+def test_classification_trains_its_new_head_in_full(tmp_path):
+    """The classifier always; BERT's pooler (which feeds it) too when the pretrained base has
+    none, as a masked-LM checkpoint: it would be a frozen random layer otherwise."""
+    import transformers
+
+    from raylib.train.adapter import check_peft
+
+    assert check(spec_of())["modules_to_save"] == ["classifier"]
+    spec = spec_of()
+    transformers.BertForMaskedLM(config_of(spec)).save_pretrained(tmp_path / "mlm")
+    transformers.BertForSequenceClassification(config_of(spec)).save_pretrained(tmp_path / "cls")
+    for base, head in (("mlm", ["classifier", "pooler"]), ("cls", ["classifier"])):
+        pretrained = JobSpec.from_dict({"model": {"pretrained": str(tmp_path / base)},
+                                        "task": {"type": "sequence_classification"}, "peft": {}})
+        config = transformers.AutoConfig.from_pretrained(tmp_path / base)
+        assert check_peft(pretrained, config)["modules_to_save"] == head, base
+    both = ["classifier", "pooler"]
+    assert check(spec_of(modules_to_save=both))["modules_to_save"] == both
 
 
 def test_unknown_target_modules_name_the_modules_the_model_has():

@@ -94,6 +94,7 @@ def _run(args) -> int:
     from raylib.data.build import is_built, read_index
     from raylib.spec import JobSpec, SpecError
     from raylib.train.model import check_model, model_config
+    from raylib.train.parallel import check_layout
     from raylib.train.strategy import resolve_ds_config
 
     # Importing DeepSpeed prints to stdout; keep stdout for the report alone.
@@ -104,6 +105,7 @@ def _run(args) -> int:
             peft = None
             if "://" not in spec.data.path and is_built(spec.data.path):  # no network in a dry run
                 config = model_config(spec, read_index(spec.data.path))
+                check_layout(spec, config)  # tp/pp against this model
                 if spec.peft is not None:  # peft's settings against this model, on the meta device
                     from raylib.train.adapter import check_peft
 
@@ -116,6 +118,12 @@ def _run(args) -> int:
         print(spec.to_yaml())
         print("# effective DeepSpeed config (CPU; on GPU the optimizer drops torch_adam)")
         print(json.dumps(ds_config, indent=2))
+        st = spec.strategy
+        if st.tensor_parallel * st.pipeline_parallel > 1:
+            groups = [list(range(g, g + st.tensor_parallel))
+                      for g in range(0, spec.world_size, st.tensor_parallel)]
+            print(f"# layout: dp={spec.dp_size} x pp={st.pipeline_parallel} x tp={st.tensor_parallel}; "
+                  f"tensor-parallel groups (ranks sharing a batch): {groups}")
         if peft is not None:
             print("# parameter-efficient fine-tuning (peft)")
             print(json.dumps(peft, indent=2))

@@ -54,6 +54,7 @@ RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of
 RAY_TRAIN_TAG = "deepspeed"
 POINTER = "raylib-checkpoint.json"
 _ZERO_OPTIM = re.compile(r"(^|/)zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+_TP_SHARD = re.compile(r"(^|/)(zero_pp_rank_\d+_)?mp_rank_0*[1-9]\d*_")  # tensor-parallel rank >= 1
 _MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 # special-token roles of index.json -> PreTrainedTokenizerFast keyword
@@ -466,6 +467,8 @@ def consolidate(chosen: Candidate, scratch: str) -> dict[str, Any]:
         raise ExportError(f"checkpoint step {chosen.step} at {chosen.where} has no DeepSpeed tag "
                           f"directory {chosen.tag!r}")
     names = os.listdir(tag_dir)
+    if any(_TP_SHARD.search(n) for n in names):  # tensor parallel: the shards, merged by DeepSpeed
+        return _merged_tensor_parallel(chosen, directory, scratch)
     if any(_ZERO_OPTIM.search(n) for n in names):  # ZeRO-1/2/3: the fp32 partitions, gathered
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -483,6 +486,24 @@ def consolidate(chosen: Candidate, scratch: str) -> dict[str, Any]:
                           f"partitions nor {_MODEL_STATES[0]} (it has {sorted(names)[:8]})")
     state = torch.load(path, map_location="cpu", weights_only=False)
     return {k: v.float() if v.is_floating_point() else v for k, v in state["module"].items()}
+
+
+def _merged_tensor_parallel(chosen: Candidate, directory: Path, scratch: str) -> dict[str, Any]:
+    """A tensor-parallel checkpoint's whole fp32 weights: DeepSpeed's universal conversion merges
+    the AutoTP shards (and ZeRO partitions) into one file per parameter."""
+    import torch
+
+    from raylib.checkpoint.deepspeed_io import to_universal
+
+    try:
+        universal = Path(to_universal(str(directory), chosen.step, os.path.join(scratch, "universal")))
+    except (AssertionError, FileNotFoundError, KeyError, ValueError) as e:
+        raise ExportError(f"DeepSpeed could not merge the tensor-parallel shards of step {chosen.step} "
+                          f"of {chosen.where} ({type(e).__name__}: {e}); a ZeRO-0 tensor-parallel "
+                          "checkpoint has no optimizer partitions to convert: train with zero_stage "
+                          ">= 1") from None
+    return {p.name: torch.load(p / "fp32.pt", map_location="cpu", weights_only=False)["param"]
+            for p in sorted((universal / "zero").iterdir()) if (p / "fp32.pt").is_file()}
 
 
 def load_weights(model, state: dict[str, Any], what: str) -> None:

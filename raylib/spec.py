@@ -387,6 +387,13 @@ class StrategySpec(_Section):
     allgather_bucket_size: int = Field(50_000_000, ge=1)
     """Elements per parameter all-gather bucket (ZeRO 1/2)."""
     overlap_comm: bool = False
+    tensor_parallel: int = Field(1, ge=1)
+    """Tensor-parallel ranks (tp, DeepSpeed AutoTP): each rank of a tp group holds 1/tp of every
+    attention and MLP projection, the group's ranks see the same batch, and the gang scheduler
+    keeps the group inside one NVLink island. Data-parallel replicas (dp) = num_workers / (tp x pp)."""
+    pipeline_parallel: int = Field(1, ge=1)
+    """Pipeline stages (pp). Planned and placed (`raylib plan`, the gang scheduler: stages on
+    neighbouring nodes); training with pp > 1 is refused until pipeline execution lands."""
     deepspeed_config: str | dict[str, Any] | None = None
     """A native DeepSpeed JSON config (path or dict). It is the base of the effective config;
     the fields above fill in what it leaves out or sets to "auto"."""
@@ -405,10 +412,9 @@ class ScalingSpec(_Section):
 
 
 class PlacementSpec(_Section):
-    tp: int = Field(1, ge=1)
-    """Tensor-parallel ranks per group (kept inside one NVLink island)."""
-    pp: int = Field(1, ge=1)
-    """Pipeline stages; data-parallel replicas dp = num_workers / (tp x pp)."""
+    """Where the workers go. The layout they are placed for (tp, pp) is the strategy's:
+    strategy.tensor_parallel and strategy.pipeline_parallel, one setting for both."""
+
     ranks_per_node: int | None = Field(None, ge=1)
     gang: bool = False
     """Reserve the workers through the cluster's gang scheduler: topology-aware placement,
@@ -418,12 +424,14 @@ class PlacementSpec(_Section):
     timeout_s: float | None = Field(None, gt=0)
     """Give up (with the constraint that could not be met) after waiting this long."""
 
-    def check_divides(self, world_size: int) -> None:
-        if world_size % (self.tp * self.pp):
-            raise ValueError(
-                f"scaling.num_workers={world_size} is not divisible by placement.tp x placement.pp "
-                f"= {self.tp} x {self.pp}; use a multiple of {self.tp * self.pp} workers"
-            )
+    @model_validator(mode="before")
+    @classmethod
+    def _layout_moved(cls, data: Any) -> Any:
+        moved = {"tp": "strategy.tensor_parallel", "pp": "strategy.pipeline_parallel"}
+        for key in [k for k in moved if isinstance(data, dict) and k in data]:
+            raise ValueError(f"placement.{key} is now {moved[key]} (one setting places and trains the "
+                             f"layout); move it there")
+        return data
 
 
 class CheckpointSpec(_Section):
@@ -542,8 +550,13 @@ class JobSpec(_Section):
         # the rest of the DeepSpeed config is resolved and checked by train.strategy, once
         user = load_json_or_path(self.strategy.deepspeed_config) \
             if self.strategy.deepspeed_config is not None else {}
-        resolve_batch(self.strategy, self.world_size, user)
-        self.placement.check_divides(self.world_size)
+        s, world = self.strategy, self.world_size
+        if world % (s.tensor_parallel * s.pipeline_parallel):
+            raise ValueError(
+                f"scaling.num_workers={world} is not divisible by strategy.tensor_parallel x "
+                f"strategy.pipeline_parallel = {s.tensor_parallel} x {s.pipeline_parallel}; use a "
+                f"multiple of {s.tensor_parallel * s.pipeline_parallel} workers")
+        resolve_batch(s, self.dp_size, user)
         return self
 
     # -- constructors ---------------------------------------------------------------------------
@@ -578,6 +591,11 @@ class JobSpec(_Section):
     @property
     def world_size(self) -> int:
         return self.scaling.num_workers
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: the workers of one replica share a batch (tp) or pass it on (pp)."""
+        return self.world_size // (self.strategy.tensor_parallel * self.strategy.pipeline_parallel)
 
     def run_dir(self) -> Path:
         return Path(self.run.output_dir).expanduser().resolve() / self.name
@@ -662,7 +680,10 @@ BATCH_KEYS = {
 
 def resolve_batch(s: StrategySpec, world: int, user: dict[str, Any]) -> tuple[int, int, int]:
     """(micro, accumulation, global) from the strategy's fields and a native DeepSpeed JSON's
-    batch keys (`user`, strategy fields first): global = micro x accumulation x world."""
+    batch keys (`user`, strategy fields first): global = micro x accumulation x world, `world`
+    being the data-parallel replicas (the workers, unless tp or pp group them)."""
+    workers = "num_workers" if s.tensor_parallel * s.pipeline_parallel == 1 else \
+        "data-parallel replicas (num_workers / (tensor_parallel x pipeline_parallel))"
     vals: dict[str, int | None] = {}
     for field, ds_key in BATCH_KEYS.items():
         v = getattr(s, field)
@@ -676,7 +697,7 @@ def resolve_batch(s: StrategySpec, world: int, user: dict[str, Any]) -> tuple[in
     m, a, g = vals["micro_batch_size"], vals["gradient_accumulation_steps"], vals["global_batch_size"]
     fix = (
         f"global_batch_size must equal micro_batch_size x gradient_accumulation_steps x "
-        f"num_workers ({world})"
+        f"{workers} ({world})"
     )
     if g is None:
         m = m or DEFAULT_MICRO_BATCH
@@ -686,7 +707,7 @@ def resolve_batch(s: StrategySpec, world: int, user: dict[str, Any]) -> tuple[in
         a = 1
         if g % world:
             raise ValueError(
-                f"strategy.global_batch_size={g} is not divisible by num_workers={world}; "
+                f"strategy.global_batch_size={g} is not divisible by {workers}={world}; "
                 f"use a multiple of {world}"
             )
         m = g // world
@@ -694,20 +715,20 @@ def resolve_batch(s: StrategySpec, world: int, user: dict[str, Any]) -> tuple[in
         if g % (a * world):
             raise ValueError(
                 f"strategy.global_batch_size={g} is not divisible by gradient_accumulation_steps"
-                f" x num_workers = {a} x {world}; {fix}"
+                f" x {workers} = {a} x {world}; {fix}"
             )
         m = g // (a * world)
     elif a is None:
         if g % (m * world):
             raise ValueError(
                 f"strategy.global_batch_size={g} is not divisible by micro_batch_size x "
-                f"num_workers = {m} x {world}; {fix}"
+                f"{workers} = {m} x {world}; {fix}"
             )
         a = g // (m * world)
     elif m * a * world != g:
         raise ValueError(
             f"inconsistent batch: micro_batch_size={m} x gradient_accumulation_steps={a} x "
-            f"num_workers={world} = {m * a * world}, but global_batch_size={g}; {fix}, "
+            f"{workers}={world} = {m * a * world}, but global_batch_size={g}; {fix}, "
             "or give only two of the three"
         )
     return m, a, g

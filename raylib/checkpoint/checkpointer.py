@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -134,6 +135,7 @@ class ObjectStoreCheckpointer:
         self.policy = policy_of(spec, run_dir)
         self.family = run_family(spec, run_dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.tp = spec.strategy.tensor_parallel
         self.store: CheckpointStore | None = None
         self._blocked: list[float] = []
         self._bytes = 0
@@ -235,37 +237,55 @@ class ObjectStoreCheckpointer:
             found = first_usable(candidates, fetch, agree, reader.run)
             if found is None:
                 return None
-            step, saved_world, (directory, memory, state, source) = found
+            step, saved_world, (directory, memory, state, source, every_rank) = found
             with self._phase("restore_load"):
-                self._load(engine, directory, step, saved_world, memory)
+                self._load(engine, directory, step, every_rank, memory)
             return step, state, source
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
     def _fetch(self, reader: CheckpointStore, step: int, saved_world: int, directory: str,
-               memory: dict[str, Any]) -> tuple[dict[str, Any], str]:
-        """Fetch what this rank loads into `directory`; at the same world size, the state dicts
+               memory: dict[str, Any]) -> tuple[dict[str, Any], str, bool]:
+        """Fetch what this rank loads into `directory`: (client state, source, whether it is every
+        old rank's files). At the same layout (world size, tensor-parallel size) the state dicts
         the keepers hold go into `memory` instead (served to DeepSpeed from the object store)."""
         holders = reader.holders()
-        if saved_world == self.world:  # own part, and the weights rank 0 wrote for everyone
+        if saved_world == self.world and self._same_layout(reader, step, holders):
+            # own part, the weights the first replica wrote for everyone, and (tensor parallel)
+            # the model files of every tp rank: DeepSpeed lists mp_rank_* and wants them all
             own = reader.fetch(step, self.rank, directory, holders=holders, memory=memory)
             sources = [own.source]
-            if self.rank != 0:
-                sources.append(reader.fetch(step, 0, directory, deepspeed_io.shared, holders,
-                                            memory=memory).source)
-            return dict(own.meta.get("state") or {}), max(sources, key=SOURCES.index)
-        # another world size: every old rank's files, for the universal conversion. The client
+            group = self.rank - self.rank % self.tp
+            for other, select in [(r, deepspeed_io.shared) for r in range(self.tp)] + \
+                    [(r, deepspeed_io.model_states) for r in range(group, group + self.tp)]:
+                if other != self.rank:
+                    sources.append(reader.fetch(step, other, directory, select, holders,
+                                                memory=memory).source)
+            return dict(own.meta.get("state") or {}), max(sources, key=SOURCES.index), False
+        # another layout: every old rank's files, for the universal conversion. The client
         # state is returned as saved (the loop's {"ranks": [...]}, the same in every part).
         parts = [reader.fetch(step, r, directory, holders=holders) for r in range(saved_world)]
-        return dict(parts[0].meta.get("state") or {}), max((p.source for p in parts), key=SOURCES.index)
+        return dict(parts[0].meta.get("state") or {}), max((p.source for p in parts), key=SOURCES.index), True
 
-    def _load(self, engine, directory: str, step: int, saved_world: int,
+    def _same_layout(self, reader: CheckpointStore, step: int, holders: dict) -> bool:
+        """Whether step was saved with this run's tensor-parallel size (rank 0's part says)."""
+        part = reader.peek_meta(step, 0, holders)
+        return int(((part or {}).get("state") or {}).get("tp", 1)) == self.tp
+
+    def _load(self, engine, directory: str, step: int, every_rank: bool,
               memory: dict[str, Any] | None = None) -> None:
         files = [os.path.relpath(os.path.join(r, n), directory)
                  for r, _, names in os.walk(directory) for n in names]
-        if saved_world != self.world and deepspeed_io.needs_universal(files):
-            log.warning("resuming step %d saved by %d ranks on %d ranks: converting to a DeepSpeed "
-                        "universal checkpoint", step, saved_world, self.world)
+        if every_rank and _saved_tp(files) != self.tp and not deepspeed_io.needs_universal(files):
+            raise RuntimeError(
+                f"step {step} was saved at ZeRO-0 with tensor_parallel={_saved_tp(files)}: its "
+                f"tensor-parallel shards carry no optimizer partitions for DeepSpeed's universal "
+                f"conversion, so it resumes only at that layout (now tensor_parallel={self.tp}); "
+                "resume with that layout, or train with zero_stage >= 1 to change layouts")
+        if every_rank and (deepspeed_io.needs_universal(files) or _saved_tp(files) != self.tp):
+            log.warning("resuming step %d on another layout (%d ranks, tensor_parallel=%d now; saved "
+                        "with tensor_parallel=%d): converting to a DeepSpeed universal checkpoint",
+                        step, self.world, self.tp, _saved_tp(files))
             deepspeed_io.load_universal(engine, directory, step)
         else:
             deepspeed_io.load(engine, directory, step, memory)
@@ -406,3 +426,9 @@ class ObjectStoreCheckpointer:
             "run": self.store.run if self.store else None,
             **self._restored,
         }
+
+
+def _saved_tp(files: list[str]) -> int:
+    """The tensor-parallel size a DeepSpeed checkpoint was saved with (its mp_rank_XX files)."""
+    ranks = {int(m.group(1)) for f in files if (m := re.search(r"mp_rank_(\d+)", f))}
+    return max(ranks, default=0) + 1

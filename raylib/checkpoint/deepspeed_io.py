@@ -14,6 +14,10 @@ Which files a rank writes, and which it reads back at the same world size:
 * ZeRO-3: each rank writes its own zero_pp_rank_<r>_* model and optimizer files.
 
 So rank r needs its own part plus rank 0's files that are not a per-rank ZeRO file (`shared`).
+With tensor parallelism (tp ranks, consecutive), each of ranks 0..tp-1 writes its shard's
+mp_rank_<t>_model_states.pt (ZeRO-3: every rank its zero_pp_rank_<d>_mp_rank_<t>_ files), and
+DeepSpeed's loader lists every mp_rank_* file of the tag: rank r also needs ranks 0..tp-1's
+shared files and its tp group's model states (served from memory: views, not copies).
 At another world size ZeRO-1/2/3 shards do not load: the old ranks' files are gathered and
 converted with deepspeed.checkpoint.ds_to_universal, then loaded as a universal checkpoint.
 """
@@ -44,6 +48,11 @@ def tag(step: int) -> str:
 def shared(rel: str) -> bool:
     """A file of rank 0's part that every rank loads at the same world size."""
     return not PER_RANK.search(rel)
+
+
+def model_states(rel: str) -> bool:
+    """A file of a rank's module weights (DeepSpeed wants every tensor-parallel rank's present)."""
+    return rel.endswith("model_states.pt")
 
 
 def needs_universal(files: list[str]) -> bool:
@@ -159,31 +168,39 @@ def load(engine, directory: str, step: int, memory: dict[str, Any] | None = None
         raise RuntimeError(f"DeepSpeed found no checkpoint {tag(step)!r} in {directory}")
 
 
+def to_universal(directory: str, step: int, out: str) -> str:
+    """Convert tag(step) in `directory` (every rank's files) into a DeepSpeed universal checkpoint
+    under `out`: every parameter whole (ZeRO partitions and tensor-parallel shards merged), with
+    its optimizer states, in out/tag(step)/zero/<name>/. Returns that tag directory."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(
+        input_folder=os.path.join(directory, tag(step)),
+        output_folder=os.path.join(out, tag(step)),
+        num_extract_workers=1, num_merge_workers=1,  # in this process: workers may not fork
+        keep_temp_folder=False, strict=True,
+        inject_missing_state=True,  # plain (non-Megatron) models carry no universal info
+    )
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        ds_to_universal.main(args)
+    return args.output_folder
+
+
 def load_universal(engine, directory: str, step: int) -> None:
     """Convert tag(step) in `directory` (every old rank's files) to a universal checkpoint and
-    load it at this world size.
+    load it at this layout (world size, tensor-parallel size).
 
     DeepSpeed reads `checkpoint.load_universal` from the engine's config only inside
     load_checkpoint, so the flag is switched on for this one load instead of at initialize (the
-    loop does not know before restoring whether the world size changed).
+    loop does not know before restoring whether the layout changed).
     """
-    from deepspeed.checkpoint import ds_to_universal
-
     if frozen(engine):
         raise RuntimeError("a PEFT run's checkpoint (its adapter, without the frozen base) resumes at the "
                            "world size it was saved at; DeepSpeed's universal conversion needs every "
                            "weight. Run it again with that scaling.num_workers")
     out = tempfile.mkdtemp(prefix="raylib-universal-", dir=os.path.dirname(directory))
     try:
-        args = argparse.Namespace(
-            input_folder=os.path.join(directory, tag(step)),
-            output_folder=os.path.join(out, tag(step)),
-            num_extract_workers=1, num_merge_workers=1,  # in this process: workers may not fork
-            keep_temp_folder=False, strict=True,
-            inject_missing_state=True,  # plain (non-Megatron) models carry no universal info
-        )
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            ds_to_universal.main(args)
+        to_universal(directory, step, out)
         engine._config.load_universal_checkpoint = True
         try:
             path, _ = engine.load_checkpoint(out, tag=tag(step))

@@ -10,6 +10,7 @@ node's keeper (primary, then replica), then the persisted files (verified agains
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -202,6 +203,16 @@ class CheckpointStore:
         # a part may be in memory only, persisted only, or both: any copy will do
         return [(s, w) for s, w in sorted(worlds.items(), reverse=True)
                 if all((s, r) in memory or r in on_disk.get(s, (0, set()))[1] for r in range(w))]
+
+    def peek_meta(self, step: int, rank: int, holders: dict | None = None) -> dict[str, Any] | None:
+        """Part (step, rank)'s meta without fetching its files (None: no copy anywhere)."""
+        copies = (self.holders() if holders is None else holders).get((step, rank))
+        if copies:
+            return copies[0]["meta"]
+        if self.persisted is not None:
+            with contextlib.suppress(FileNotFoundError):
+                return self.persisted.manifest(step, rank)["meta"]
+        return None
 
     def fetch(self, step: int, rank: int, into: str, select: Callable[[str], bool] | None = None,
               holders: dict | None = None, memory: dict[str, Any] | None = None) -> Fetched:

@@ -64,9 +64,9 @@ class Parallelism(_Model):
     @classmethod
     def of(cls, spec) -> Parallelism:
         """The parallelism a JobSpec asks for (its placement section at its world size)."""
-        p, world = spec.placement, spec.world_size
-        p.check_divides(world)
-        return cls(dp=world // (p.tp * p.pp), pp=p.pp, tp=p.tp, ranks_per_node=p.ranks_per_node)
+        s = spec.strategy  # the JobSpec checked that tp x pp divides the workers
+        return cls(dp=spec.dp_size, pp=s.pipeline_parallel, tp=s.tensor_parallel,
+                   ranks_per_node=spec.placement.ranks_per_node)
 
     @property
     def world(self) -> int:

@@ -37,6 +37,11 @@ class RunHistory:
     preemptions: int = 0
     peak_memory_bytes: list[int] | None = None
     """Per rank: peak GPU memory allocated, or on CPU the worker process's peak RSS."""
+    param_elements: list[int] | None = None
+    """Per rank: parameter elements it holds (a ZeRO-3 partition, tensor-parallel shards)."""
+    shard_digests: list[str] | None = None
+    """run.verify with tensor parallelism: sha256 of each rank's own shards (ungathered): equal
+    across replicas, different across the ranks of a tp group."""
     evals: list[dict[str, float]] = field(default_factory=list)
     """Evaluations on the validation split: {"step": n, "eval_loss": ..., ...} (task's metrics)."""
     peft: dict[str, Any] | None = None

@@ -35,6 +35,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     from raylib.tasks import task_for
     from raylib.train.evaluate import Evaluator, probe
     from raylib.train.model import build_model
+    from raylib.train.parallel import Layout, tensor_parallel_groups
 
     spec = JobSpec.model_validate(config["spec"])
     index = DatasetIndex(**config["index"])
@@ -42,6 +43,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     ds_config = config["ds_config"]
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
+    layout = Layout.of(spec, rank)  # its tp group and data-parallel replica
     torch.set_num_threads(max(1, int(spec.scaling.cpus_per_worker)))
 
     checkpointer = checkpointing.Checkpointer(spec, config["run_dir"])  # first: it connects meanwhile
@@ -51,9 +53,10 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
 
         torch.manual_seed(spec.run.seed + 1)  # the adapter's initial weights, the same on every rank
         model = adapter.wrap(model, spec, model.config.model_type)
-    engine, *_ = deepspeed.initialize(  # the optimizer gets (and ZeRO partitions) what is trained
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
-    )
+    mpu = tensor_parallel_groups(layout.tp, "nccl" if on_gpu else "gloo") if layout.tp > 1 else None
+    engine, *_ = deepspeed.initialize(  # the optimizer gets (and ZeRO partitions) what is trained;
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],  # AutoTP
+        config=ds_config, mpu=mpu)  # shards the projections here when tp > 1
     start, state = checkpointer.restore(engine)
     peft = _peft_start(engine, spec, config, start, state) if spec.peft is not None else None
     verify = spec.run.verify
@@ -67,14 +70,14 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     rows_per_step = accum * micro
     pipeline = None
     if spec.data.tiers:
-        pipeline = _tiered_pipeline(spec, task, index, ctx, micro, rows_per_step, start, state,
+        pipeline = _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start, state,
                                     engine.device)
         batches = iter(pipeline)
     else:
         batches = _batches(ray.train.get_dataset_shard("train"), micro, engine.device,
                            spec.data.prefetch_batches)
-    evaluator = Evaluator(task, index, spec.data.storage_options, rank=rank,
-                          world_size=ctx.get_world_size(), micro_batch=micro,
+    evaluator = Evaluator(task, index, spec.data.storage_options, rank=layout.dp_rank,
+                          world_size=layout.dp, micro_batch=micro,
                           max_batches=spec.run.eval_batches, device=engine.device) \
         if index.validation else None
     evals: list[dict[str, float]] = []
@@ -117,7 +120,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
             done % spec.run.log_every == 0 and preempt_probe()
         if preempted or _checkpoint_due(spec, done):
             tc = time.perf_counter()
-            checkpointer.save(engine, done, metrics, _client_state(pipeline, on_gpu, config.get("peft_base")))
+            checkpointer.save(engine, done, metrics, _client_state(pipeline, on_gpu, config.get("peft_base"),
+                                                                 layout.tp))
             checkpoint_s += time.perf_counter() - tc
         elif done % spec.run.log_every == 0 or (evals and evals[-1]["step"] == done):
             ray.train.report(metrics)
@@ -138,6 +142,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     node = ray.get_runtime_context().get_node_id()
     data_brief = {k: v for k, v in data_metrics.items() if k != "timeline"} if data_metrics else None
     digest = _parameter_digest(engine, spec.strategy.zero_stage) if verify else None
+    shard = _shard_digest(engine) if verify and layout.tp > 1 else None
     if peft is not None and verify:
         peft["frozen_digest_end"], peft["trainable_digest_end"] = adapter.split_digests(engine.module)
     if verify and first_batch is not None:
@@ -145,7 +150,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         if rank == 0:
             os.makedirs(os.path.join(config["run_dir"], "verify"), exist_ok=True)
             torch.save(probed, os.path.join(config["run_dir"], "verify", "probe.pt"))
-    dist.all_gather_object(ranks, (digest, node, data_brief, _peak_memory(on_gpu)))
+    dist.all_gather_object(ranks, (digest, node, data_brief, _peak_memory(on_gpu), _own_elements(engine),
+                                  shard))
     if rank != 0:
         return None
     return RunHistory(
@@ -156,7 +162,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         data_ranks=[r[2] for r in ranks] if data_metrics else None,
         data_timeline=data_metrics["timeline"] if data_metrics else None,
         checkpoint=checkpointer.metrics(), preempted=preempted, evals=evals,
-        peak_memory_bytes=[r[3] for r in ranks], peft=peft,
+        peak_memory_bytes=[r[3] for r in ranks], param_elements=[r[4] for r in ranks],
+        shard_digests=[r[5] for r in ranks] if verify and layout.tp > 1 else None, peft=peft,
     )
 
 
@@ -189,15 +196,17 @@ def _peak_memory(on_gpu: bool) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _tiered_pipeline(spec, task, index, ctx, micro, rows_per_step, start, state, device):
-    """This rank's planned data path, positioned after the rows the restored steps consumed."""
+def _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start, state, device):
+    """This rank's planned data path, positioned after the rows the restored steps consumed: its
+    data-parallel replica's (the ranks of a tp group read the same shards, through one cache)."""
     from raylib.data.pipeline import TieredPipeline
 
     pipeline = TieredPipeline(
-        spec, index, task=task, rank=ctx.get_world_rank(),
-        world_size=ctx.get_world_size(), micro_batch=micro,
+        spec, index, task=task, rank=layout.dp_rank,
+        world_size=layout.dp, micro_batch=micro,
         rows_needed=spec.run.steps * rows_per_step, rows_done=start * rows_per_step,
-        local_ranks=ctx.get_local_world_size(), device=device, queue_batches=spec.data.prefetch_batches)
+        local_ranks=max(1, ctx.get_local_world_size() // layout.tp), device=device,
+        queue_batches=spec.data.prefetch_batches)
     saved = state.get("data", {}).get("order")
     if start and saved is not None and saved != pipeline.order_fingerprint():
         pipeline.close()
@@ -206,7 +215,7 @@ def _tiered_pipeline(spec, task, index, ctx, micro, rows_per_step, start, state,
     return pipeline
 
 
-def _client_state(pipeline, on_gpu: bool, peft_base: str | None = None) -> dict[str, Any]:
+def _client_state(pipeline, on_gpu: bool, peft_base: str | None = None, tp: int = 1) -> dict[str, Any]:
     """What a rank saves besides the engine: where its data stream is, and its RNG (dropout), so
     a resumed run continues exactly as an uninterrupted one would; for PEFT, the base's digest."""
     import torch
@@ -220,7 +229,7 @@ def _client_state(pipeline, on_gpu: bool, peft_base: str | None = None) -> dict[
     # rank's state goes in, each rank takes its own back on restore.
     everyone: list[dict[str, Any] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    return {"ranks": everyone, **({"peft_base": peft_base} if peft_base else {})}
+    return {"ranks": everyone, "tp": tp, **({"peft_base": peft_base} if peft_base else {})}
 
 
 def _own_state(state: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -292,14 +301,36 @@ def _batches(shard, micro_batch: int, device, prefetch: int) -> Iterator[dict[st
 
 
 def _parameter_digest(engine, zero_stage: int) -> str:
-    """A hash of the full (gathered) parameters: equal on every rank iff the replicas agree."""
+    """A hash of the full parameters (gathered from ZeRO-3 partitions and tensor-parallel shards):
+    equal on every rank iff the replicas agree, whatever the layout."""
     import deepspeed
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
 
     params = list(engine.module.parameters())
     gather = (deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero_stage == 3
               else contextlib.nullcontext())
-    h = hashlib.sha256()
+    h, seen = hashlib.sha256(), set()
     with gather:
-        for p in params:
-            h.update(p.detach().float().cpu().numpy().tobytes())
+        for module in engine.module.modules():  # parameters() order: module by module, tied once
+            own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+            seen.update(map(id, own))
+            if not own:
+                continue
+            with GatherReplacedLayerParams(own, module):  # a no-op outside AutoTP's layers
+                for p in own:
+                    h.update(p.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def _shard_digest(engine) -> str:
+    """A hash of the parameters as this rank holds them (its tensor-parallel shards, not gathered)."""
+    h = hashlib.sha256()
+    for p in engine.module.parameters():
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _own_elements(engine) -> int:
+    """Parameter elements this rank holds (its ZeRO-3 partition; its tensor-parallel shards)."""
+    return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
+               for p in engine.module.parameters())

@@ -55,7 +55,7 @@ def resolve_ds_config(spec: JobSpec, on_gpu: bool = False) -> dict[str, Any]:
                 "see https://www.deepspeed.ai/docs/config-json/"
             )
     _check_explicit_conflicts(spec, user)
-    micro, accum, total = resolve_batch(s, spec.world_size, user)
+    micro, accum, total = resolve_batch(s, spec.dp_size, user)
 
     generated: dict[str, Any] = {
         "train_batch_size": total,
@@ -82,6 +82,8 @@ def resolve_ds_config(spec: JobSpec, on_gpu: bool = False) -> dict[str, Any]:
             min_loss_scale=1,
         )
     generated["bf16"] = {"enabled": s.precision == "bf16"}
+    if s.tensor_parallel > 1:  # DeepSpeed AutoTP shards the model's projections in initialize()
+        generated["tensor_parallel"] = {"autotp_size": s.tensor_parallel}
 
     for key in ("optimizer", "scheduler"):
         # A user's own optimizer/scheduler type takes none of the generated type's params.
@@ -92,7 +94,7 @@ def resolve_ds_config(spec: JobSpec, on_gpu: bool = False) -> dict[str, Any]:
     _check_offload(spec, config["zero_optimization"])
     from raylib.train.ds_validate import check_with_deepspeed  # DeepSpeed's own checks
 
-    check_with_deepspeed(config, on_gpu=on_gpu, world_size=spec.world_size)
+    check_with_deepspeed(config, on_gpu=on_gpu, world_size=spec.dp_size)
     return config
 
 
@@ -130,6 +132,13 @@ def _check_explicit_conflicts(spec: JobSpec, user: dict[str, Any]) -> None:
           user.get("zero_optimization", {}).get("stage"))
     clash("gradient_clipping", s.gradient_clipping, "gradient_clipping",
           user.get("gradient_clipping"))
+    theirs_tp = user.get("tensor_parallel", {}).get("autotp_size") \
+        if isinstance(user.get("tensor_parallel"), dict) else None
+    if theirs_tp not in (None, "auto", 0, s.tensor_parallel):
+        raise ValueError(
+            f"deepspeed_config tensor_parallel.autotp_size={theirs_tp!r} contradicts "
+            f"strategy.tensor_parallel={s.tensor_parallel}; set the layout in strategy.tensor_parallel "
+            "(it also places the workers) and remove autotp_size")
     if "precision" in explicit:
         ds_prec = _ds_precision(user)
         if ds_prec is not None and ds_prec != s.precision:

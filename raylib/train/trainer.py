@@ -41,6 +41,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     from raylib.data.source import training_dataset
     from raylib.train.loop import worker_loop
     from raylib.train.model import model_config
+    from raylib.train.parallel import check_layout
     from raylib.train.progress import ProgressBar
     from raylib.train.strategy import resolve_ds_config
 
@@ -56,6 +57,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
         build(DatasetManifest.load(spec.data.manifest), spec.data.path, progress=progress)
     index = read_index(spec.data.path)
     config = model_config(spec, index)  # family, overrides, task and data checked against each other
+    check_layout(spec, config)  # tp/pp against the model, the data path and the features
     peft_base = None
     if spec.peft is not None:  # peft's settings against the model and task, and the run's base
         from raylib.train.adapter import base_digest, check_base, check_peft

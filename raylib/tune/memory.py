@@ -17,6 +17,7 @@ Per worker (rank), at world size N, for a model of P parameters:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,8 @@ class ModelShape:
     seq_len: int
     trainable: int | None = None
     """Parameters the optimizer updates (PEFT: the adapter's); None: all of them."""
+    tp_sharded: int = 0
+    """Parameters tensor parallelism splits (tp_sharded_parameters)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ def model_shape(spec, index) -> ModelShape:
         model = build_model(spec, index, seed=0, config=config)
     params = sum(p.numel() for p in model.parameters())
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    sharded = tp_sharded_parameters(model)
     hidden = config.hidden_size
     inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
     lm = task_for(spec, index).kind == "packed"
@@ -85,12 +89,38 @@ def model_shape(spec, index) -> ModelShape:
     return ModelShape(params=params, largest_module_params=largest, layers=config.num_hidden_layers,
                       hidden=hidden, heads=config.num_attention_heads, intermediate=inner,
                       vocab=index.vocab_size if lm else config.num_labels, seq_len=index.seq_len,
-                      trainable=trainable)
+                      trainable=trainable, tp_sharded=sharded)
+
+
+def tp_sharded_parameters(model) -> int:
+    """Parameters DeepSpeed AutoTP splits across a tp group: the modules the model's HF
+    tensor-parallel plan names (Llama: every projection and the LM head; measured: DeepSpeed keeps
+    an untied embedding whole, so the plan's vocabulary-parallel embedding is not counted), else
+    (its heuristic parser: BERT) the linear layers of the transformer blocks; norms, and a head
+    the plan does not name, stay whole on every rank."""
+    import fnmatch
+
+    import torch
+
+    plan = {k: v for k, v in (getattr(model, "_tp_plan", None) or {}).items() if v != "embedding_rowwise"}
+    if plan:
+        chosen = [m for name, m in model.named_modules()
+                  if any(fnmatch.fnmatchcase(name, pattern) for pattern in plan)]
+    else:
+        in_layers = re.compile(r"\.(layer|layers|h)\.\d+\.")
+        chosen = [m for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and in_layers.search(f".{name}")]
+    return sum(p.numel() for m in chosen for p in m.parameters(recurse=False))
 
 
 def estimate(shape: ModelShape, strategy, world: int, on_gpu: bool) -> MemoryEstimate:
-    """Peak memory of one worker running `strategy` (a StrategySpec)."""
-    s, n, p = strategy, world, shape.params
+    """Peak memory of one worker running `strategy` (a StrategySpec) at `world` workers. Tensor
+    parallelism divides the projections it shards (and their gradients and states) by tp, ZeRO
+    partitions over the dp = world / (tp x pp) replicas."""
+    s = strategy
+    tp = s.tensor_parallel
+    n = max(1, world // (tp * s.pipeline_parallel))  # ZeRO partitions over the data-parallel replicas
+    p = shape.params - shape.tp_sharded + shape.tp_sharded // tp  # what one rank holds
     t = shape.trainable if shape.trainable is not None else p  # PEFT: gradients and states of these
     low = s.precision in ("fp16", "bf16")
     weight_bytes = 2 if low else 4
@@ -130,9 +160,12 @@ def optimizer_state_bytes(trainable: int, strategy, world: int = 1) -> int:
 
 def _activations(shape: ModelShape, s) -> int:
     b, sl, h, a = s.micro_batch_size, shape.seq_len, shape.hidden, shape.heads
+    t = s.tensor_parallel
     half_bytes = 1 if s.precision in ("fp16", "bf16") else 2  # the formula counts 16-bit bytes
-    # Korthikanti's 34*s*b*h assumes a 4h MLP (16 of the 34); the MLP's share scales with its width
-    per_layer = sl * b * (18 * h + 4 * shape.intermediate + 5 * a * sl) * half_bytes
+    # Korthikanti et al.: 34*s*b*h + 5*a*s^2*b per layer, of which 10*s*b*h (layer inputs, norms,
+    # dropout masks) stays whole under tensor parallelism and the rest divides by tp; it assumes a
+    # 4h MLP (16 of the 34), whose share scales with the MLP's width
+    per_layer = sl * b * (10 * h + (8 * h + 4 * shape.intermediate + 5 * a * sl) // t) * half_bytes
     logits = 2 * 4 * sl * b * shape.vocab
     return int(shape.layers * per_layer + logits)
 

@@ -24,6 +24,7 @@ SPACE_KEYS = {
     "zero_stage": "strategy",
     "micro_batch_size": "strategy",
     "num_workers": "scaling",
+    "tensor_parallel": "strategy",
     "precision": "strategy",
     "overlap_comm": "strategy",
     "reduce_bucket_size": "strategy",
@@ -36,7 +37,7 @@ SPACE_KEYS = {
 }
 # Keys whose values have an order (neighbours in the coordinate search are adjacent values);
 # precision is categorical and booleans have two values.
-ORDERED_KEYS = {"zero_stage", "micro_batch_size", "num_workers", "reduce_bucket_size",
+ORDERED_KEYS = {"zero_stage", "micro_batch_size", "num_workers", "tensor_parallel", "reduce_bucket_size",
                 "allgather_bucket_size", "prefetch_batches", "peft.r", "lr"}
 MAX_AUTO_MICRO_BATCHES = 4
 
@@ -192,7 +193,8 @@ def candidates(base: dict[str, Any], tune: TuneSpec, global_batch: int, hardware
     from raylib.tune.memory import estimate, fits
 
     space = dict(tune.space)
-    world_default = JobSpec.from_dict(base).world_size
+    base_spec = JobSpec.from_dict(base)
+    world_default, tp_default = base_spec.world_size, base_spec.strategy.tensor_parallel
     if "micro_batch_size" not in space:
         worlds = space.get("num_workers", [world_default])
         space["micro_batch_size"] = auto_micro_batches(global_batch, min(worlds))
@@ -200,9 +202,10 @@ def candidates(base: dict[str, Any], tune: TuneSpec, global_batch: int, hardware
     out: list[Candidate] = []
     for values in itertools.product(*(space[k] for k in keys)):
         choice = dict(zip(keys, values, strict=True))
-        world = choice.get("num_workers", world_default)
+        # the batch is split over the data-parallel replicas (a tp group shares one)
+        world = choice.get("num_workers", world_default) // choice.get("tensor_parallel", tp_default)
         micro = choice["micro_batch_size"]
-        if global_batch % (micro * world):
+        if not world or global_batch % (micro * world):
             continue  # no accumulation keeps the global batch: not a member of the space
         config = {**choice, "gradient_accumulation_steps": global_batch // (micro * world)}
         cand = Candidate(config)
@@ -215,6 +218,10 @@ def candidates(base: dict[str, Any], tune: TuneSpec, global_batch: int, hardware
         try:
             spec = JobSpec.from_dict(apply(base, config, global_batch))
             resolve_ds_config(spec, on_gpu=hardware.on_gpu)
+            if model_config is not None:  # tp against the model's heads and widths
+                from raylib.train.parallel import check_layout
+
+                check_layout(spec, model_config)
             if spec.peft is not None and model_config is not None:
                 from raylib.train.adapter import check_peft
 

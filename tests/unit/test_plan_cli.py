@@ -16,7 +16,7 @@ FAT_TREE = str(REPO / "deployment" / "topologies" / "fat_tree_16x8.yaml")
 
 
 def test_plan_explains_placement_and_cost(capsys):
-    assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "placement.tp=8"]) == 0
+    assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "strategy.tensor_parallel=8"]) == 0
     out = capsys.readouterr().out
     assert "dp=16 x pp=1 x tp=8 (128 ranks)" in out
     assert "tp groups inside one NVLink island: all" in out
@@ -24,7 +24,7 @@ def test_plan_explains_placement_and_cost(capsys):
 
 
 def test_plan_json_is_a_whole_plan(capsys):
-    assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "placement.pp=2", "--json"]) == 0
+    assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "strategy.pipeline_parallel=2", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["parallelism"] == {"dp": 64, "pp": 2, "tp": 1, "ranks_per_node": None}
     assert len(plan["rank_node"]) == len(plan["bundles"]) == len(plan["bundle_label_selector"]) == 128
@@ -32,11 +32,11 @@ def test_plan_json_is_a_whole_plan(capsys):
 
 
 def test_plan_rejects_indivisible_parallelism(capsys):
-    assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "placement.tp=3"]) == 2
+    assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "strategy.tensor_parallel=3"]) == 2
     err = capsys.readouterr().err
-    assert "placement.tp x placement.pp = 3 x 1" in err
+    assert "strategy.tensor_parallel x strategy.pipeline_parallel = 3 x 1" in err
 
 
 def test_plan_rejects_tp_wider_than_an_island(capsys):
-    assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "placement.tp=16"]) == 2
+    assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "strategy.tensor_parallel=16"]) == 2
     assert "tp=16" in capsys.readouterr().err

@@ -149,9 +149,10 @@ def test_infeasible_and_timeout_are_clear_and_leak_nothing(gang):
 
 def test_deepspeed_run_placed_through_the_gang_scheduler_survives_a_preemption(
         labelled_cluster, tiny_dataset, tmp_path):
-    """A 2-worker DeepSpeed run placed by the cluster-wide scheduler; a higher-priority gang
-    that needs every CPU arrives while it starts: the run checkpoints, gives its workers back,
-    waits in the queue, and finishes from its checkpoint once the other gang is done."""
+    """A 2-worker tensor-parallel DeepSpeed run (tp=2: one AutoTP group) placed by the cluster-wide
+    scheduler; a higher-priority gang that needs every CPU arrives while it starts: the run
+    checkpoints, gives its workers back, waits in the queue, and finishes from its (sharded)
+    checkpoint once the other gang is done. Its tp group lands on one island (one node)."""
     import ray
 
     from raylib import JobSpec
@@ -163,7 +164,7 @@ def test_deepspeed_run_placed_through_the_gang_scheduler_survives_a_preemption(
         "model": {"preset": "bert-tiny", "overrides": {"num_hidden_layers": 1}},
         "data": {"path": tiny_dataset, "manifest": None,
                  "tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "64KB"}]},
-        "strategy": {"zero_stage": 1, "micro_batch_size": 8},
+        "strategy": {"zero_stage": 1, "micro_batch_size": 8, "tensor_parallel": 2},
         "scaling": {"num_workers": 2, "use_gpu": False},
         "placement": {"gang": True, "timeout_s": 300},
         "run": {"steps": 40, "log_every": 2, "output_dir": str(tmp_path), "verify": True},
@@ -187,9 +188,12 @@ def test_deepspeed_run_placed_through_the_gang_scheduler_survives_a_preemption(
 
     assert s["preemptions"] == 1
     assert s["steps"] == 40 and s["start_step"] == 0 and len(s["loss_curve"]) == 40
-    assert s["param_digests_agree"]
-    # The workers of the resumed part ran exactly on the nodes the scheduler planned for it.
+    assert s["param_digests_agree"] and s["parallelism"] == {"dp": 1, "tp": 2, "pp": 1}
+    assert len(set(s["shard_digests"])) == 2  # each rank of the tp group trained its own shard
+    # The workers of the resumed part ran exactly on the nodes the scheduler planned for it, the
+    # tp group inside one island.
     assert s["rank_nodes"] == s["planned_nodes"]
+    assert len(set(s["planned_nodes"])) == 1
     labelled = {n["NodeID"] for n in ray.nodes() if n["Labels"].get("leaf")}
     assert set(s["planned_nodes"]) <= labelled
     # The reservation was released: the cluster-wide scheduler holds nothing for the job.

@@ -211,6 +211,15 @@ class PlacementPlan(_Model):
             lines.append(f"  {n}: ranks {_ranges(spans[n])}")
         if len(spans) > max_nodes:
             lines.append(f"  ... and {len(spans) - max_nodes} more nodes")
+        lines += ["", "groups (the first replicas; the training layout's process groups):"]
+        for d in range(min(par.dp, 2)):
+            for p in range(par.pp):
+                ranks = [par.rank(d, p, t) for t in range(par.tp)]
+                where = sorted({(self.rank_node[r], self.rank_island[r]) for r in ranks})
+                lines.append(f"  dp {d} stage {p}: tp ranks {_ranges(ranks)} on "
+                             + ", ".join(f"{n} island {i}" for n, i in where))
+        if par.dp > 2:
+            lines.append(f"  ... and {par.dp - 2} more replicas")
         return "\n".join(lines)
 
 

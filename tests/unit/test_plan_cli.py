@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -21,6 +22,9 @@ def test_plan_explains_placement_and_cost(capsys):
     assert "dp=16 x pp=1 x tp=8 (128 ranks)" in out
     assert "tp groups inside one NVLink island: all" in out
     assert "crossing spine" in out and "Ray PACK" in out
+    # the training groups, where they land: a tp group of 8 on one node's island
+    assert re.search(r"dp 0 stage 0: tp ranks 0-7 on \S+ island \d+\n", out), out
+    assert "dp 1 stage 0: tp ranks 8-15 on " in out and "... and 14 more replicas" in out
 
 
 def test_plan_json_is_a_whole_plan(capsys):

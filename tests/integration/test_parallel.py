@@ -66,7 +66,8 @@ def test_tp2_trains_like_one_rank_and_resumes_its_shards_exactly(runs):
     assert s["parallelism"] == {"dp": 1, "tp": 2, "pp": 1}
     # resumed from the snapshot in memory, then the same curve as one rank without tp
     assert s["start_step"] > 0 and s["checkpoint"]["restore_source"].startswith("memory-"), s["checkpoint"]
-    assert close(s["loss_curve"], ref["loss_curve"][s["start_step"]:STEPS]), (s["loss_curve"], ref["loss_curve"])
+    assert close(s["loss_curve"], ref["loss_curve"][s["start_step"]:STEPS]), \
+        (s["loss_curve"], ref["loss_curve"])
     # every rank gathers the same whole model, but holds a different shard of it
     assert s["param_digests_agree"]
     a, b = s["shard_digests"]

@@ -28,7 +28,8 @@ def test_plan_explains_placement_and_cost(capsys):
 
 
 def test_plan_json_is_a_whole_plan(capsys):
-    assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "strategy.pipeline_parallel=2", "--json"]) == 0
+    assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "strategy.pipeline_parallel=2",
+                 "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["parallelism"] == {"dp": 64, "pp": 2, "tp": 1, "ranks_per_node": None}
     assert len(plan["rank_node"]) == len(plan["bundles"]) == len(plan["bundle_label_selector"]) == 128

@@ -200,7 +200,7 @@ def _install_counters() -> None:
         ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
         if len(ranks) > 1 and ranks == _COUNT["tp_group"]:
             return "tp", len(ranks)
-        if len(ranks) > 1 and ranks == _COUNT["dp_group"]:
+        if ranks == _COUNT["dp_group"]:  # dp1: a group of one, no traffic
             return "dp", len(ranks)
         if ranks == _COUNT["world"]:
             return "world", len(ranks)
@@ -317,7 +317,7 @@ def comm_measure(args, layout: tuple) -> dict:
     got = sorted((q.get() for _ in range(workers)), key=lambda r: r[0])
     steps = args.comm_steps
     per_rank = []
-    for rank, rows, times, elements, micro, accum in got:
+    for rank, rows, times, elements, _micro, _accum in got:
         per_rank.append({"rank": rank, "rows": {k: {**v, "calls": v["calls"] / steps,
                                                     "async_calls": v["async_calls"] / steps,
                                                     "payload_bytes": v["payload_bytes"] / steps,
@@ -351,13 +351,15 @@ def expected_comm(args, shape: dict, tp: int, dp: int, zero: int, micro: int, se
         # AutoTP on Llama: row-parallel o_proj and down_proj all-reduce their output in forward (2
         # per layer); every column-parallel projection (q, k, v, gate, up: separate nn.Linears, not
         # fused as in Megatron) all-reduces its input gradient in backward (5 per layer); the
-        # vocab-parallel embedding all-reduces its output (1), the lm_head all-gathers the logits in
-        # forward (b*s*V) and all-reduces its input gradient in backward (1).
-        out["tp"] = {"all_reduce_calls": 7 * L + 2, "all_reduce_payload_bytes": (7 * L + 2) * act,
+        # lm_head all-gathers the logits in forward (b*s*V) and all-reduces its input gradient in
+        # backward (1). The untied embedding stays whole (AutoTP training does not shard it; see
+        # raylib.tune.memory.tp_sharded_parameters): no collective.
+        n_ar = 7 * L + 1
+        out["tp"] = {"all_reduce_calls": n_ar, "all_reduce_payload_bytes": n_ar * act,
                      "all_gather_payload_bytes": b * seq * V * 4,
-                     "payload_bytes": (7 * L + 2) * act + b * seq * V * 4,
-                     "ring_bytes_per_rank": (7 * L + 2) * act * 2 * (tp - 1) / tp + b * seq * V * 4 * (tp - 1) / tp,
-                     "megatron_fused_equivalent_payload_bytes": (4 * L + 2) * act + b * seq * V * 4}
+                     "payload_bytes": n_ar * act + b * seq * V * 4,
+                     "ring_bytes_per_rank": n_ar * act * 2 * (tp - 1) / tp + b * seq * V * 4 * (tp - 1) / tp,
+                     "megatron_fused_equivalent_payload_bytes": (4 * L + 1) * act + b * seq * V * 4}
     if dp > 1:
         p = shape["elements_per_tp_rank"] * 4
         if zero in (1, 2):
@@ -420,19 +422,24 @@ def main() -> None:
         log(f"building {MANIFEST.name} into {DATA}")
         build(DatasetManifest.load(str(MANIFEST)), str(DATA), progress=False)
     shape = model_shape(args)
-    from raylib.tune.memory import model_shape as memory_model_shape
     from raylib import JobSpec
     from raylib.data.build import read_index
+    from raylib.tune.memory import model_shape as memory_model_shape
     shape["tp_sharded_elements"] = memory_model_shape(
         JobSpec.from_dict(spec_dict(args, "/tmp/unused", "x", 4, 1, 1, 1)), read_index(str(DATA))).tp_sharded
 
     run_layouts = [n for n in LAYOUTS if LAYOUTS[n][2] == 1 and not (args.no_tp4 and n.startswith("tp4"))]
 
     # part 2 first (no Ray running yet: the harness's 4 processes have the cores to themselves)
-    comm = {}
+    comm, failed = {}, {}
     for name in ("dp4_zero1", "tp2_dp2_zero1") + (() if args.no_tp4 else ("tp4_dp1_zero1",)):
         t0 = time.perf_counter()
-        comm[name] = comm_measure(args, LAYOUTS[name])
+        try:
+            comm[name] = comm_measure(args, LAYOUTS[name])
+        except Exception as e:  # noqa: BLE001 - one layout failing is a row, not a lost bench
+            failed[f"comm {name}"] = f"{type(e).__name__}: {e}"
+            log(f"comm {name}: FAILED {failed[f'comm {name}']}")
+            continue
         log(f"comm {name}: " + ", ".join(f"{g} {v['payload_bytes'] / MiB:.1f} MiB/step"
                                          for g, v in comm[name]["per_group_per_step"].items())
             + f" ({time.perf_counter() - t0:.0f} s)")
@@ -444,7 +451,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-parallelism-") as tmp:
         for name in [*run_layouts, PARITY_REF[0]]:
             layout = LAYOUTS.get(name) or PARITY_REF[1]
-            runs[name] = r = ray_run(args, tmp, name.replace("_", "-"), layout)
+            try:
+                runs[name] = r = ray_run(args, tmp, name.replace("_", "-"), layout)
+            except Exception as e:  # noqa: BLE001
+                failed[f"run {name}"] = f"{type(e).__name__}: {e}"[:2000]
+                log(f"run {name}: FAILED {failed[f'run {name}'][:300]}")
+                continue
             log(f"run {name}: step {r['step_time_s']:.2f} s, {r['samples_per_s']:.1f} samples/s, peak RSS "
                 f"{r['peak_memory_bytes'] / MiB:.0f} MiB, params/rank {r['param_elements_per_rank'][0]:,}, "
                 f"final loss {r['final_loss']:.4f} ({r['wall_s']:.0f} s)")
@@ -460,7 +472,8 @@ def main() -> None:
                        "(raylib.train.parallel.check_layout): " + (refusal(args, (workers, tp, pp, zero))
                                                                    or "(not refused?)"))
         elif name not in runs:
-            row.update(available=True, skipped="--no-tp4")
+            row.update(available=True, skipped="--no-tp4" if args.no_tp4 else None,
+                       failed=failed.get(f"run {name}"))
         else:
             r = runs[name]
             row.update(available=True, **{k: r[k] for k in (
@@ -484,14 +497,13 @@ def main() -> None:
     for name in comm:
         w, tp, pp, zero = LAYOUTS[name]
         dp = w // tp
-        expected[name] = expected_comm(args, {"vocab": shape["vocab"],
-                                              "elements_per_tp_rank": comm[name]["param_elements_per_rank"][0]},
-                                       tp, dp, zero, comm[name]["micro_batch"], seq)
+        mine = {"vocab": shape["vocab"], "elements_per_tp_rank": comm[name]["param_elements_per_rank"][0]}
+        expected[name] = expected_comm(args, mine, tp, dp, zero, comm[name]["micro_batch"], seq)
     projection = {}
     for name, c in comm.items():
         g = c["per_group_per_step"]
         tp_bytes = g.get("tp", {}).get("ring_bytes_per_rank", 0.0)
-        dp_bytes = g.get("dp", {}).get("ring_bytes_per_rank", 0.0) + g.get("world", {}).get("ring_bytes_per_rank", 0.0)
+        dp_bytes = sum(g.get(k, {}).get("ring_bytes_per_rank", 0.0) for k in ("dp", "world"))
         projection[name] = {
             "tp_ring_bytes_per_rank_per_step": tp_bytes, "dp_ring_bytes_per_rank_per_step": dp_bytes,
             "tp_seconds_over_nvlink_v100": tp_bytes / (LINKS["nvlink_v100"][0] * 1e9),
@@ -509,8 +521,9 @@ def main() -> None:
             "tp2_param_elements_ratio_vs_dp": {
                 "value": param_ratio, "target": "<= 0.55", "met": param_ratio <= 0.55,
                 "what": "parameter elements a rank holds at tp2 x dp2 / at dp4 ZeRO-1 (replicated); "
-                        f"dp4 ZeRO-3 partitions them too: "
-                        f"{max(runs['dp4_zero3']['param_elements_per_rank']) / dp_elems:.3f}"},
+                        "dp4 ZeRO-3 partitions them too: "
+                        + (f"{max(runs['dp4_zero3']['param_elements_per_rank']) / dp_elems:.3f}"
+                           if "dp4_zero3" in runs else "(its run failed)")},
             "pipeline_bubble_fraction_vs_formula": {
                 "value": None, "target": "within 10% of (pp-1)/(m+pp-1)", "met": False,
                 "what": "not measurable: pipeline_parallel > 1 is refused for training "
@@ -524,11 +537,12 @@ def main() -> None:
         "communication": {
             "measured": comm, "expected": expected,
             "formulas": {
-                "tp": "per step, payload: (7L+2) all-reduces of b*s*h*4 B (fwd: o_proj, down_proj per "
-                      "layer + embedding; bwd: q, k, v, gate, up input grads per layer + lm_head input "
-                      "grad) + one all-gather of b*s*V*4 B (logits); ring bytes per rank: all-reduce "
-                      "2(t-1)/t, all-gather (t-1)/t of the payload. b = micro-batch of the dp replica, "
-                      "L layers, t = tp. Megatron (fused qkv and gate_up) would do 4L+2.",
+                "tp": "per step, payload: (7L+1) all-reduces of b*s*h*4 B (fwd: o_proj, down_proj per "
+                      "layer; bwd: q, k, v, gate, up input grads per layer + lm_head input grad; the "
+                      "untied embedding is not sharded) + one all-gather of b*s*V*4 B (logits) + "
+                      "scalars; ring bytes per rank: all-reduce 2(t-1)/t, all-gather (t-1)/t of the "
+                      "payload. b = micro-batch of the dp replica, L layers, t = tp, V vocabulary. "
+                      "Megatron (fused qkv and gate_up) would do 4L+1.",
                 "dp": "ZeRO-1/2: the rank's gradients (P/t elements x 4 B) reduced over dp + updated "
                       "partitions all-gathered (P/t x 4 B); ring bytes 3(d-1)/d x P/t x 4 B if reduced "
                       "by all-reduce, 2(d-1)/d if by reduce-scatter. ZeRO-3: 3(d-1)/d x P/t x 4 B.",
@@ -554,6 +568,7 @@ def main() -> None:
         "settings": {**vars(args), "dataset": str(MANIFEST.relative_to(REPO)), "seq_len": seq,
                      "precision": "fp32", "threads_per_rank": 1, "cores": os.cpu_count()},
         "runs": runs,
+        "failed": failed,
         "wall_s": time.perf_counter() - t_start,
     }
     text = json.dumps(report, indent=2)

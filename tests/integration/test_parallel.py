@@ -81,8 +81,8 @@ def test_a_tp_rank_holds_half_of_the_sharded_weights(runs):
     spec = tp_spec(runs["data"], runs["out"], "x", tp=1, workers=1, steps=1)
     sharded = model_shape(spec, read_index(runs["data"])).tp_sharded
     whole = runs["reference"].summary["param_elements_per_rank"][0]
-    # measured on the engines: what the memory model predicts (Llama's plan: every projection,
-    # the embeddings and the LM head; the norms stay whole)
+    # measured on the engines: what the memory model predicts (Llama's plan: every projection
+    # and the LM head; the untied embedding and the norms stay whole)
     assert runs["tp2"].summary["param_elements_per_rank"] == [whole - sharded // 2] * 2
     assert sharded > 0.6 * whole
 

@@ -66,7 +66,9 @@ def connect(
         kwargs["runtime_env"] = {
             "worker_process_setup_hook": "raylib.runtime.restore_sigint",
             **(runtime_env or {}),
-            "env_vars": {"RAY_API_SERVER_ADDRESS": api_server,
+            # Ray Train's preemption watcher (an actor per run polling the nodes' drain state)
+            # has no node to watch here: this one node is the driver's own and ends with it
+            "env_vars": {"RAY_API_SERVER_ADDRESS": api_server, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
                          **(runtime_env or {}).get("env_vars", {})},
         }
         # raylib starts this cluster for the user: Ray's note that token auth is on (it stays on)

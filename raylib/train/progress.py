@@ -17,7 +17,6 @@ import logging
 import os
 import queue as std_queue
 import threading
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +34,14 @@ class RunForwarder(ReportCallback, ControllerCallback):
     Never raises (a failing callback would fail the run) and never blocks the controller's loop:
     each event is one fire-and-forget call to the queue actor."""
 
-    def __init__(self, reports: Queue, token: str = ""):
+    def __init__(self, reports: Queue):
         self.reports = reports
-        self.token = token  # the run's: the queue may serve this driver's runs one after another
         self.max_failures = 0
         self.failures = 0
 
     def _send(self, event: dict[str, Any]) -> None:
         try:
-            self.reports.actor.put_nowait.remote({**event, "run_token": self.token})
+            self.reports.actor.put_nowait.remote(event)
         except Exception:  # the driver is gone: nobody to tell
             pass
 
@@ -139,9 +137,8 @@ class ProgressBar:
         from tqdm.auto import tqdm
         from tqdm.contrib.logging import logging_redirect_tqdm
 
-        self._reports, self._shared = _acquire_queue()
-        self._token = uuid.uuid4().hex
-        self.callback = RunForwarder(self._reports, self._token)
+        self._reports = Queue(actor_options={"num_cpus": 0})
+        self.callback = RunForwarder(self._reports)
         self._bar = tqdm(total=self.total, desc=self.desc, unit="step", disable=not self.enabled)
         # log lines (raylib's "training ...", the warnings below) print above the bar, not into it
         self._redirect = logging_redirect_tqdm(tqdm_class=tqdm) if self.enabled else contextlib.nullcontext()
@@ -161,8 +158,7 @@ class ProgressBar:
                 continue
             except Exception:  # the queue actor is gone: the run is over
                 return
-            if m.pop("run_token", self._token) == self._token:  # not a late one of an earlier run
-                self.show(m)
+            self.show(m)
 
     def show(self, m: dict[str, Any]) -> None:
         """Apply one forwarded event: a report moves the bar, anything else is a warning."""
@@ -179,40 +175,10 @@ class ProgressBar:
         self._thread.join(timeout=5)
         self._bar.close()
         self._redirect.__exit__(None, None, None)
-        _release_queue(self._reports, self._shared)
+        import ray
 
-
-# One queue actor per driver connection, reused by its runs one after another (an actor is a
-# process to start: a notebook or a test session runs many); a run that starts while another
-# holds it gets a queue of its own.
-_QUEUE_LOCK = threading.Lock()
-_SHARED_QUEUE: dict[str, Any] = {"job": None, "queue": None, "busy": False}
-
-
-def _acquire_queue() -> tuple[Queue, bool]:
-    import ray
-
-    job = ray.get_runtime_context().get_job_id()
-    with _QUEUE_LOCK:
-        q = _SHARED_QUEUE
-        if q["job"] == job and q["queue"] is not None and not q["busy"]:
-            q["busy"] = True
-            return q["queue"], True
-        if q["job"] != job or q["queue"] is None:  # first run of this connection (a new cluster)
-            q.update(job=job, queue=Queue(actor_options={"num_cpus": 0}), busy=True)
-            return q["queue"], True
-    return Queue(actor_options={"num_cpus": 0}), False
-
-
-def _release_queue(reports: Queue, shared: bool) -> None:
-    import ray
-
-    if shared:
-        with _QUEUE_LOCK:
-            _SHARED_QUEUE["busy"] = False
-        return
-    with contextlib.suppress(Exception):
-        ray.kill(reports.actor)
+        with contextlib.suppress(Exception):
+            ray.kill(self._reports.actor)
 
 
 def postfix(m: dict[str, Any]) -> str:

@@ -333,24 +333,6 @@ def test_a_pointer_to_an_incomplete_checkpoint_is_never_loaded(cluster, tiny_dat
     assert found is None and "no complete copy of any checkpoint" in error, error
 
 
-def test_persist_every_uploads_every_kth_snapshot_and_always_the_last(cluster, tiny_dataset, tmp_path):
-    """interval 2, persist_every 2, 6 steps: snapshots at 2, 4, 6 held in memory; 4 is persisted on
-    schedule, 6 (off it) because it is the run's last, 2 never (keep_persisted would allow it)."""
-    from raylib.checkpoint import CheckpointStore
-    from raylib.checkpoint.checkpointer import policy_of
-    from raylib.train.trainer import run
-
-    hot = {"tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "1MB"}]}  # starts fast
-    spec = job(tiny_dataset, tmp_path, "every", data=hot, run={"steps": 6},
-               checkpoint={"persist_every": 2, "keep_persisted": 3})
-    s = run(spec, progress=False).summary
-    ckpt = s["checkpoint"]
-    assert ckpt["snapshots"] == 3 and ckpt["refused"] == 0 and not ckpt["persist_errors"], ckpt
-    assert ckpt["persisted_steps"] == [4, 6], ckpt
-    persisted = CheckpointStore(ckpt["run"], policy_of(spec, str(spec.run_dir()))).persisted
-    assert sorted(persisted.complete_steps()) == [4, 6]
-
-
 @pytest.mark.chaos
 @pytest.mark.slow
 def test_killed_worker_resumes_exactly_then_on_one_worker(cluster, tiny_dataset, tmp_path):
@@ -397,7 +379,7 @@ def test_killed_worker_resumes_exactly_then_on_one_worker(cluster, tiny_dataset,
     assert ckpt["restored_step"] == s["start_step"] and ckpt["restore_s"] > 0
     assert ckpt["snapshots"] == (steps - s["start_step"]) // 2 and ckpt["refused"] == 0
     # the default cadence (persist_every: 10m, longer than this run) keeps the scheduled snapshots
-    # in memory and persists the run's last one only (a count cadence: test_persist_every_...)
+    # in memory and persists the run's last one only (a count cadence: test_zero3_resumes_...)
     assert ckpt["replicas"] == 1 and ckpt["persisted_steps"] == [steps]
     assert not ckpt["persist_errors"] and ckpt["bytes_per_snapshot"] > 1e6
     assert complete_in_memory("chaos-") == [], "a finished run leaves nothing in the object store"
@@ -446,22 +428,32 @@ def test_a_run_out_of_restarts_says_how_often_it_failed_and_where_to_resume(clus
 def test_zero3_resumes_on_fewer_workers_via_universal_checkpoint(cluster, tiny_dataset, tmp_path):
     """ZeRO-3, 2 -> 1 workers: each rank's parameter and optimizer partitions, from persist_url.
     The first run reads through Ray Data, so the second may use the (faster to start) tiered path:
-    only a tiered stream is tied to its world size."""
+    only a tiered stream is tied to its world size.
+
+    The first run also checks a count cadence: interval 2, persist_every 2, 6 steps: snapshots at
+    2, 4, 6 held in memory; 4 is persisted on schedule, 6 (off it) because it is the run's last, 2
+    never (keep_persisted would allow it). (The default duration cadence: the chaos test.)"""
+    from raylib.checkpoint import CheckpointStore
+    from raylib.checkpoint.checkpointer import policy_of
     from raylib.train.trainer import run
 
     spec = {"strategy": {"zero_stage": 3}}
     data = {"tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "1MB"}]}
-    first = run(job(tiny_dataset, tmp_path, "resize3", data={"reader": "ray_data"}, **spec),
-                progress=False).summary
-    assert first["steps"] == 4 and first["param_digests_agree"]
-    assert first["checkpoint"]["snapshots"] == 2 and first["checkpoint"]["refused"] == 0
-    assert first["checkpoint"]["persisted_steps"] == [4]  # the last (persist_every: 10m)
+    first_spec = job(tiny_dataset, tmp_path, "resize3", data={"reader": "ray_data"}, run={"steps": 6},
+                     checkpoint={"persist_every": 2, "keep_persisted": 3}, **spec)
+    first = run(first_spec, progress=False).summary
+    assert first["steps"] == 6 and first["param_digests_agree"]
+    ckpt = first["checkpoint"]
+    assert ckpt["snapshots"] == 3 and ckpt["refused"] == 0 and not ckpt["persist_errors"], ckpt
+    assert ckpt["persisted_steps"] == [4, 6], ckpt
+    persisted = CheckpointStore(ckpt["run"], policy_of(first_spec, str(first_spec.run_dir()))).persisted
+    assert sorted(persisted.complete_steps()) == [4, 6]
 
-    second = run(job(tiny_dataset, tmp_path, "resize3", scaling={"num_workers": 1}, run={"steps": 5},
+    second = run(job(tiny_dataset, tmp_path, "resize3", scaling={"num_workers": 1}, run={"steps": 7},
                      data=data, **spec), progress=False).summary
-    assert second["world_size"] == 1 and second["start_step"] == 4 and len(second["loss_curve"]) == 1
+    assert second["world_size"] == 1 and second["start_step"] == 6 and len(second["loss_curve"]) == 1
     assert second["checkpoint"]["restore_source"] == "persisted"
-    assert second["checkpoint"]["restored_step"] == 4
+    assert second["checkpoint"]["restored_step"] == 6
     # every rank's ZeRO-3 partitions, merged: the parameters are exactly those the first run ended with
     assert second["restored_param_digest"] == first["param_digest"]
     assert first["restored_param_digest"] is None

@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing raylib and its dependencies into $(VENV)/ (a few minutes the first time)"
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]"
+	@$(PY) -m raylib.ops build  # the C++ kernels of the fused CPU ops, once (cached by source hash)
 	@touch $(STAMP)
 
 setup: $(STAMP)
@@ -24,7 +25,7 @@ test-fast: setup  ## unit lane only
 	$(PY) -m pytest tests -m unit
 
 lint: setup
-	$(VENV)/bin/ruff check raylib jobs bench tests
+	$(VENV)/bin/ruff check raylib jobs bench tests kernels
 
 bench: setup  ## side-by-side benchmarks (JSON on stdout)
 	$(PY) bench/wrapper_overhead.py

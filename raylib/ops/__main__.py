@@ -1,0 +1,34 @@
+"""`python -m raylib.ops build [--force] [--strict]`: builds the C++ kernels of the CPU paths once
+into their cache folder (raylib.ops.native), so that no test or training run pays for the build.
+`make setup` runs it right after installing. Prints one line; exits 0 even when the kernels
+cannot be built (the ops then run the PyTorch reference) unless --strict."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m raylib.ops")
+    commands = parser.add_subparsers(dest="command", required=True)
+    build = commands.add_parser("build", help="build the CPU kernels (a no-op when this build is cached)")
+    build.add_argument("--force", action="store_true", help="rebuild even when cached")
+    build.add_argument("--strict", action="store_true", help="exit 1 when the kernels cannot be built")
+    args = parser.parse_args(argv)
+
+    from raylib.ops import native
+
+    try:
+        so, seconds = native.build(force=args.force)
+    except RuntimeError as e:
+        print(f"raylib kernels: not built ({e}); the fused CPU ops fall back to the PyTorch reference")
+        return 1 if args.strict else 0
+    if seconds:
+        print(f"raylib kernels: built the CPU kernels in {seconds:.0f} s into {so.parent}")
+    else:
+        print(f"raylib kernels: CPU kernels already built ({so.parent})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

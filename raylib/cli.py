@@ -102,10 +102,13 @@ def _run(args) -> int:
         spec = JobSpec.from_yaml(args.config, overrides=args.overrides)
         try:
             check_model(spec)  # family, its config's fields, the task (the data's part: at run)
-            peft = None
+            peft = kernels = None
             if "://" not in spec.data.path and is_built(spec.data.path):  # no network in a dry run
-                config = model_config(spec, read_index(spec.data.path))
+                index = read_index(spec.data.path)
+                config = model_config(spec, index)
                 check_layout(spec, config)  # tp/pp against this model
+                if args.dry_run:
+                    kernels = _kernel_plan(spec, index, config)
                 if spec.peft is not None:  # peft's settings against this model, on the meta device
                     from raylib.train.adapter import check_peft
 
@@ -124,6 +127,12 @@ def _run(args) -> int:
                       for g in range(0, spec.world_size, st.tensor_parallel)]
             print(f"# layout: dp={spec.dp_size} x pp={st.pipeline_parallel} x tp={st.tensor_parallel}; "
                   f"tensor-parallel groups (ranks sharing a batch): {groups}")
+        if kernels is not None:
+            print(f"# kernels: {st.kernels} (what each op would run on {kernels['device']})")
+            for line in kernels["lines"]:
+                print(f"#   {line}")
+        elif st.kernels != "eager":
+            print(f"# kernels: {st.kernels}: which path each op takes is listed once {spec.data.path} is built")
         if peft is not None:
             print("# parameter-efficient fine-tuning (peft)")
             print(json.dumps(peft, indent=2))
@@ -147,6 +156,25 @@ def _run(args) -> int:
     print(f"summary: {result.run_dir / 'summary.json'}")
     print(f"logs: {result.run_dir / 'logs'} (per rank){_ray_logs()}")
     return 0
+
+
+def _kernel_plan(spec, index, config) -> dict:
+    """strategy.kernels on the model built on the meta device (no memory, no weights): which path
+    each op would take on the run's device type."""
+    import torch
+    import transformers
+
+    from raylib.ops.patch import dtype_of, patch_model
+    from raylib.tasks import task_for
+    from raylib.train.strategy import adamw_path
+
+    on_gpu = spec.scaling.use_gpu is True or (spec.scaling.use_gpu == "auto" and torch.cuda.is_available())
+    device = "cuda" if on_gpu else "cpu"
+    dtype = dtype_of(spec.strategy.precision)
+    with torch.device("meta"):  # a pretrained model's weights are not needed to plan its ops
+        model = getattr(transformers, task_for(spec, index).auto_class).from_config(config)
+    patch = patch_model(model, spec.strategy.kernels, device, dtype, spec.strategy.tensor_parallel)
+    return {"device": device, "lines": [*patch.lines(), f"adamw: {adamw_path(spec, on_gpu)}"]}
 
 
 def _driver_accelerator() -> None:

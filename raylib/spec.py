@@ -394,6 +394,11 @@ class StrategySpec(_Section):
     pipeline_parallel: int = Field(1, ge=1)
     """Pipeline stages (pp). Planned and placed (`raylib plan`, the gang scheduler: stages on
     neighbouring nodes); training with pp > 1 is refused until pipeline execution lands."""
+    kernels: Literal["eager", "fused", "compile", "auto"] = "eager"
+    """The model's ops: eager (as transformers builds it), fused (raylib.ops' fused kernels: bias +
+    GeLU, dropout + residual + LayerNorm, RMSNorm, the LM head's linear + cross-entropy on the
+    labelled rows, SDPA attention; C++ on CPU, Triton on CUDA), auto (per op the path
+    bench/kernels.py measured fastest on this device), compile (torch.compile of each block)."""
     deepspeed_config: str | dict[str, Any] | None = None
     """A native DeepSpeed JSON config (path or dict). It is the base of the effective config;
     the fields above fill in what it leaves out or sets to "auto"."""

@@ -44,6 +44,10 @@ class RunResult:
         if ev:
             line = ", ".join(f"{k.removeprefix('eval_')} {_fmt(v)}" for k, v in ev.items() if k != "step")
             rows.append(f"  {'validation':<{width}}  step {ev['step']}: {line}")
+        kernels = self.summary.get("kernels")
+        if kernels and kernels["mode"] != "eager":
+            ops = ", ".join(f"{op} {v['path']}" for op, v in kernels["ops"].items())
+            rows.append(f"  {'kernels':<{width}}  {kernels['mode']}: {ops}")
         ckpt = self.summary.get("checkpoint")
         if ckpt:
             rows.append(f"  {'checkpoints':<{width}}  {_checkpoint_line(ckpt)}")
@@ -107,6 +111,7 @@ def summarize(spec, history: RunHistory, index, ds_config: dict[str, Any],
         "peak_memory_bytes": history.peak_memory_bytes,
         "param_elements_per_rank": history.param_elements,
         "shard_digests": history.shard_digests,
+        "kernels": history.kernels,  # strategy.kernels: which path each op ran
         # PEFT: trainable parameters, their fraction, optimizer-state bytes, the base's digest
         "peft": history.peft,
         "wall_s": wall_s,

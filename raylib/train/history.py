@@ -42,6 +42,8 @@ class RunHistory:
     shard_digests: list[str] | None = None
     """run.verify with tensor parallelism: sha256 of each rank's own shards (ungathered): equal
     across replicas, different across the ranks of a tp group."""
+    kernels: dict[str, Any] | None = None
+    """strategy.kernels: the mode and which path each op ran (raylib.ops.patch.KernelPatch.report)."""
     evals: list[dict[str, float]] = field(default_factory=list)
     """Evaluations on the validation split: {"step": n, "eval_loss": ..., ...} (task's metrics)."""
     peft: dict[str, Any] | None = None

@@ -53,6 +53,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
 
         torch.manual_seed(spec.run.seed + 1)  # the adapter's initial weights, the same on every rank
         model = adapter.wrap(model, spec, model.config.model_type)
+    kernels = _patch_kernels(model, spec, on_gpu, layout.tp)  # before DeepSpeed wraps (and shards) it
     mpu = tensor_parallel_groups(layout.tp, "nccl" if on_gpu else "gloo") if layout.tp > 1 else None
     engine, *_ = deepspeed.initialize(  # the optimizer gets (and ZeRO partitions) what is trained;
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],  # AutoTP
@@ -164,7 +165,25 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         checkpoint=checkpointer.metrics(), preempted=preempted, evals=evals,
         peak_memory_bytes=[r[3] for r in ranks], param_elements=[r[4] for r in ranks],
         shard_digests=[r[5] for r in ranks] if verify and layout.tp > 1 else None, peft=peft,
+        kernels=kernels,
     )
+
+
+def _patch_kernels(model, spec, on_gpu: bool, tp: int) -> dict[str, Any]:
+    """strategy.kernels applied to the model (its base model under peft); what runs where."""
+    from raylib.train.strategy import adamw_path
+
+    mode = spec.strategy.kernels
+    report: dict[str, Any] = {"mode": mode, "ops": {}, "unpatched": {}}
+    if mode != "eager":  # eager: the model as transformers builds it, raylib.ops not even imported
+        from raylib.ops.patch import dtype_of, patch_model
+
+        dtype = dtype_of(spec.strategy.precision)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        report = patch_model(base, mode, "cuda" if on_gpu else "cpu", dtype, tp).report()
+    report["ops"]["adamw"] = {"path": adamw_path(spec, on_gpu)}
+    return report
+
 
 
 def _peft_start(engine, spec, config: dict[str, Any], start: int, state: dict[str, Any]) -> dict[str, Any]:

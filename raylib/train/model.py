@@ -65,10 +65,17 @@ def model_config(spec: JobSpec, index: DatasetIndex) -> PretrainedConfig:
     else:
         config_class = _config_class(check_model(spec))
         task = task_class(spec.task, index, seed=spec.run.seed)
-        overrides = m.overrides
+        overrides = dict(m.overrides)
+        # a larger vocab_size pads the embedding and the LM head (e.g. to a multiple of 64, or to
+        # the size of the tokenizer the model will later use): rows no id of this data reaches
+        vocab = overrides.pop("vocab_size", index.vocab_size)
+        if vocab < index.vocab_size:
+            raise ValueError(f"model.overrides.vocab_size={vocab} is smaller than the dataset's tokenizer "
+                             f"({index.vocab_size} tokens): its ids would fall outside the embedding; "
+                             f"remove it or set at least {index.vocab_size}")
         special = index.special_ids
         ids = {f"{role}_token_id": special[role] for role in ("bos", "eos") if role in special}
-        config = config_class(vocab_size=index.vocab_size, pad_token_id=special["pad"], **ids,
+        config = config_class(vocab_size=vocab, pad_token_id=special["pad"], **ids,
                               **{**MODEL_PRESETS.get(m.preset_name, {}), **overrides},
                               **task.config_fields())
     _fit_positions(config, index.seq_len, "max_position_embeddings" in m.overrides)

@@ -194,6 +194,15 @@ def _optimizer_section(spec: JobSpec, on_gpu: bool) -> dict[str, Any]:
     return {"type": "AdamW" if o.type == "adamw" else "Adam", "params": params}
 
 
+def adamw_path(spec, on_gpu: bool) -> str:
+    """The optimizer step's implementation (the DeepSpeed config decides it, not the kernels mode)."""
+    if spec.strategy.optimizer.type == "sgd":
+        return "torch SGD"
+    if spec.strategy.offload_optimizer:
+        return "DeepSpeed cpu_adam (fused, on the CPU copy)"
+    return "DeepSpeed FusedAdam (multi-tensor)" if on_gpu else "torch fused AdamW"
+
+
 def _scheduler_section(spec: JobSpec) -> dict[str, Any] | None:
     sched, lr, total = spec.strategy.lr_schedule, spec.strategy.optimizer.lr, spec.run.steps
     warmup = min(sched.warmup_steps, total)

@@ -29,12 +29,15 @@ def tiny_spec(data_path: str, out, **sections) -> JobSpec:
 
 # ZeRO-1 runs in test_gang, ZeRO-2 (the default) in test_tiered_train: here the two ends, one
 # reading through Ray Data, the other through a local cache tier (the ranks' own planned reads).
+# ZeRO-3 runs with kernels: fused: the fused modules own the parameters ZeRO-3 partitions and
+# gathers in their forward hooks (tests/unit/test_kernels_patch.py checks the numerics).
 @pytest.mark.parametrize("stage", [0, 3])
 def test_zero_stages_train_and_agree(stage, tiny_dataset, tmp_path, ray_local):
     data = {"tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "64KB"}]} \
         if stage == 3 else {"reader": "ray_data"}
+    kernels = "fused" if stage == 3 else "eager"
     spec = tiny_spec(tiny_dataset, tmp_path, name=f"zero{stage}",
-                     strategy={"zero_stage": stage}, data=data)
+                     strategy={"zero_stage": stage, "kernels": kernels}, data=data)
     result = run(spec, progress=False)
     s = result.summary
 
@@ -58,6 +61,14 @@ def test_zero_stages_train_and_agree(stage, tiny_dataset, tmp_path, ray_local):
     assert ds_config["zero_optimization"]["stage"] == stage
     assert ds_config["train_batch_size"] == 16
     assert s["checkpoint_uri"] and str(run_dir) in s["checkpoint_uri"]
+    ops = s["kernels"]["ops"]
+    assert s["kernels"]["mode"] == kernels and ops["adamw"]["path"] == "torch fused AdamW"
+    if kernels == "fused":  # bert-tiny, one layer: one MLP, two residual LayerNorms, the MLM head
+        want = {"bias_gelu": ("cpp", 1), "residual_layer_norm": ("cpp", 2),
+                "linear_cross_entropy": ("chunked", 1)}
+        assert {op: (ops[op]["path"], ops[op]["modules"]) for op in want} == want, ops
+    else:
+        assert set(ops) == {"adamw"}
 
 
 def test_infeasible_requests_fail_before_reserving(tiny_dataset, tmp_path, ray_local):

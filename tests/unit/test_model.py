@@ -211,3 +211,12 @@ def test_count_parameters_of_bert_tiny():
     layer = 4 * (h * h + h) + 2 * h + (h * inter + inter) + (inter * h + h) + 2 * h
     mlm_head = (h * h + h) + 2 * h + v  # transform dense + LayerNorm + decoder bias (tied)
     assert count_parameters(model) == embeddings + layers * layer + mlm_head
+
+
+def test_a_larger_vocab_size_pads_the_embedding_and_a_smaller_one_is_refused():
+    """BERT's 30522 over a small tokenizer (bench/kernels_train.py measures the head at BERT's size):
+    the extra rows are padding no id reaches; fewer rows than the tokenizer's ids is an error."""
+    cfg = model_config(spec(model={"preset": "bert-tiny", "overrides": {"vocab_size": 30522}}), index())
+    assert cfg.vocab_size == 30522
+    with pytest.raises(ValueError, match=f"vocab_size=10 is smaller than the dataset's tokenizer \\({VOCAB}"):
+        model_config(spec(model={"preset": "bert-tiny", "overrides": {"vocab_size": 10}}), index())

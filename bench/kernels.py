@@ -19,6 +19,10 @@ forward+backward (compile's compilation included), releases the allocator's free
 figure is VmHWM - VmRSS-before (MiB): what that step adds on top of the live inputs, as the OS sees
 it. (torch has no CPU allocator statistics; tracemalloc does not see torch's allocations.)
 
+End to end (--e2e PRESETS, default bert-small,bert-base; bench/kernels_train.py): BERT masked-LM
+training through raylib.run with kernels: eager | fused | compile side by side at the user's
+defaults (2 workers x ZeRO-2, fp32), seq 128, BERT's vocabulary: samples/s and peak RSS per mode.
+
 Prints JSON on stdout: "targets" (issue 15's figures, each with value, target and meaning), the
 per-op rows, and "auto": per device type the fastest path per op, which `kernels: auto` reads
 (also written to raylib.ops.patch.auto_table_path() unless --no-record). Stderr gets progress.
@@ -296,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--no-bf16", action="store_true")
     parser.add_argument("--no-record", action="store_true", help="do not write the kernels: auto table")
+    parser.add_argument("--e2e", default="bert-small,bert-base", metavar="PRESETS",
+                        help="end-to-end training through raylib.run (bench/kernels_train.py); '' skips it")
+    parser.add_argument("--e2e-steps", type=int, default=10)
+    parser.add_argument("--e2e-rounds", type=int, default=2)
     parser.add_argument("--peak-case", help=argparse.SUPPRESS)  # internal: one peak-memory measurement
     args = parser.parse_args(argv)
 
@@ -315,6 +323,13 @@ def main(argv: list[str] | None = None) -> int:
     report["auto"] = {"cpu": fastest_paths(results)}
     if not args.no_record and report["auto"]["cpu"]:
         report["auto_table"] = record_auto("cpu", report["auto"]["cpu"])
+    presets = [p for p in args.e2e.split(",") if p]
+    if presets:
+        import kernels_train
+
+        figures = kernels_train.e2e(presets, args.e2e_steps, args.e2e_rounds, micro=8)
+        report["targets"].update(kernels_train.targets(figures))
+        report["e2e"] = figures
     print(json.dumps(report, indent=2))
     return 0
 

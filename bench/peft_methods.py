@@ -1,11 +1,11 @@
 """PEFT vs full fine-tuning, side by side: what each method costs at bert-base, and what it scores
 on a pretrained model.
 
-    python bench/peft.py                          # both parts: ~27 min on 2 CPUs (~23 once the
+    python bench/peft_methods.py                          # both parts: ~27 min on 2 CPUs (~23 once the
                                                   # domain model of part 2 is kept, see below)
-    python bench/peft.py --part cost              # ~13 min: --steps 14 --rounds 2 (--steps 10: ~10 min)
-    python bench/peft.py --part accuracy          # ~10-14 min (+4 the first time): --accuracy-steps 200
-    python bench/peft.py --preset bert-tiny --size tiny --steps 4 --accuracy-steps 20   # smoke test
+    python bench/peft_methods.py --part cost              # ~13 min: --steps 14 --rounds 2 (--steps 10: ~10 min)
+    python bench/peft_methods.py --part accuracy          # ~10-14 min (+4 the first time): --accuracy-steps 200
+    python bench/peft_methods.py --preset bert-tiny --size tiny --steps 4 --accuracy-steps 20   # smoke test
 
 Everything runs in ONE process and one embedded Ray cluster (runtime.connect once, then
 raylib.run for each run), with 2 Ray Train workers x DeepSpeed ZeRO-2, fp32. Methods: full
@@ -492,7 +492,7 @@ def main() -> None:
         "benchmark": "peft",
         "targets": targets(cost, acc),
         "table": [{k: v for k, v in r.items() if k != "evals"} for r in table],
-        "command": " ".join(["python", "bench/peft.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "bench/peft_methods.py", *sys.argv[1:]]),
         "settings": {
             "common": "one process, one embedded Ray cluster; 2 Ray Train workers x DeepSpeed ZeRO-2, "
                       "fp32, gloo, CPU; peft section {method: X} only (peft's defaults via raylib); "

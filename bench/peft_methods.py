@@ -1,10 +1,10 @@
 """PEFT vs full fine-tuning, side by side: what each method costs at bert-base, and what it scores
 on a pretrained model.
 
-    python bench/peft_methods.py                          # both parts: ~27 min on 2 CPUs (~23 once the
-                                                  # domain model of part 2 is kept, see below)
-    python bench/peft_methods.py --part cost              # ~13 min: --steps 14 --rounds 2 (--steps 10: ~10 min)
-    python bench/peft_methods.py --part accuracy          # ~10-14 min (+4 the first time): --accuracy-steps 200
+    python bench/peft_methods.py                   # both parts: ~27 min on 2 CPUs (~23 once the
+                                           # domain model of part 2 is kept, see below)
+    python bench/peft_methods.py --part cost       # ~13 min: --steps 14 --rounds 2 (--steps 10: ~10 min)
+    python bench/peft_methods.py --part accuracy   # ~10-14 min (+4 the first time): --accuracy-steps 200
     python bench/peft_methods.py --preset bert-tiny --size tiny --steps 4 --accuracy-steps 20   # smoke test
 
 Everything runs in ONE process and one embedded Ray cluster (runtime.connect once, then
@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -70,11 +69,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# This file is named peft.py: with its directory on sys.path (python puts a script's there), `import
-# peft` would import it instead of HF peft, here and in Ray's workers (Ray gives them the driver's
-# script directory when it is on sys.path, and the current directory).
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(REPO))
 
 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints on import
@@ -463,8 +457,6 @@ def main() -> None:
     args.out = str(Path(args.out).resolve())
     args.domain = str(Path(args.domain).resolve()) if args.domain else None
     args.workdir = str(Path(args.workdir).resolve())
-    if Path.cwd().resolve() == _HERE:
-        os.chdir(REPO)  # the workers get the current directory on their path (see the top)
 
     import logging
     import warnings

@@ -192,3 +192,24 @@ def test_fused_dropout_trains_like_torch_dropout():
     tail = lambda c: sum(c[-10:]) / 10  # noqa: E731
     assert tail(want) < 0.9 * want[0]
     assert abs(tail(got) - tail(want)) <= 0.05 * tail(want), (tail(got), tail(want))
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_bf16_model_runs_the_fused_paths_and_matches_eager(family):
+    """DeepSpeed's bf16 casts the whole model: the fused ops get bf16 activations and parameters.
+    The loss agrees to bf16 precision (the fused head computes its softmax in fp32, eager in bf16)."""
+    from raylib.ops.patch import dtype_of
+
+    build, kind = MODELS[family]
+    torch.manual_seed(2)
+    eager = build().train().to(dtype_of("bf16"))
+    fused = copy.deepcopy(eager)
+    ops = patch_model(fused, "fused", dtype=torch.bfloat16).report()["ops"]
+    assert {v["path"] for op, v in ops.items() if op != "attention"} <= {"cpp", "chunked"}, ops
+    inputs = batch(kind, seed=2)
+    want_loss, want = loss_and_grads(eager, inputs)
+    got_loss, got = loss_and_grads(fused, inputs)
+    torch.testing.assert_close(got_loss.float(), want_loss.float(), rtol=2e-2, atol=2e-2)
+    for name in want:  # relative to the gradient's scale: bf16 has 8 bits of mantissa
+        scale = want[name].float().abs().max().clamp_min(1e-3)
+        assert (got[name].float() - want[name].float()).abs().max() <= 5e-2 * scale, name

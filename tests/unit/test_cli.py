@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,8 @@ def test_shipped_files_are_found():
 def split_dry_run(out: str) -> tuple[dict, dict]:
     assert out.startswith(SPEC_HEADER)
     spec_text, rest = out[len(SPEC_HEADER):].split(DS_HEADER, 1)
-    return yaml.safe_load(spec_text), json.loads(rest.split("\n", 1)[1])
+    # the JSON ends where the next section (tensor-parallel layout, kernels, peft) begins
+    return yaml.safe_load(spec_text), json.loads(re.split(r"^# ", rest.split("\n", 1)[1], flags=re.M)[0])
 
 
 def expected_stage(path) -> int:

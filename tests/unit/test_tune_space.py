@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 
 import pytest
 import yaml
@@ -119,7 +120,8 @@ def test_exported_patch_is_accepted_by_raylib_run(tmp_path):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["run", str(spec_file), *[a for o in items for a in ("--set", o)], "--dry-run"]) == 0
-    ds_config = json.loads(out.getvalue().split("# effective DeepSpeed config")[1].split("\n", 1)[1])
+    dry = out.getvalue().split("# effective DeepSpeed config")[1].split("\n", 1)[1]
+    ds_config = json.loads(re.split(r"^# ", dry, flags=re.M)[0])  # up to the next section
     assert ds_config["zero_optimization"]["stage"] == 3
     assert ds_config["train_micro_batch_size_per_gpu"] == 4 and ds_config["gradient_accumulation_steps"] == 2
 

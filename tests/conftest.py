@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,20 @@ import pytest
 pytest_plugins = ["tests.s3_fixture"]  # a SeaweedFS S3 server per test session, on free ports
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The suite's wall-clock ceiling. A hung test fails alone at pytest-timeout (pyproject); should
+# hangs cascade, the tests left are not started past this point and the run ends red, saying so,
+# with its log intact, rather than at CI's own limit with nothing printed.
+SUITE_CEILING_S = float(os.environ.get("RAYLIB_SUITE_CEILING_S", 4200))
+_STARTED = time.monotonic()
+
+
+def pytest_runtest_setup(item):
+    spent = time.monotonic() - _STARTED
+    if spent > SUITE_CEILING_S:
+        pytest.exit(f"the suite ran {spent:.0f} s, past its ceiling of {SUITE_CEILING_S:.0f} s "
+                    f"(RAYLIB_SUITE_CEILING_S); not started: {item.nodeid} and the tests after it",
+                    returncode=1)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from raylib.train import checkpointing
+from raylib.train import checkpointing, ds_ops
 from raylib.train.history import RunHistory
 from raylib.train.progress import worker_logs
 
@@ -45,6 +45,9 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     rank = ctx.get_world_rank()
     layout = Layout.of(spec, rank)  # its tp group and data-parallel replica
     torch.set_num_threads(max(1, int(spec.scaling.cpus_per_worker)))
+    # DeepSpeed's JIT ops, loaded in turn with this machine's other workers (a dead builder's lock
+    # file would otherwise hang deepspeed.initialize)
+    ds_ops.load(ds_ops.needed(spec.strategy.offload_optimizer))
 
     checkpointer = checkpointing.Checkpointer(spec, config["run_dir"])  # first: it connects meanwhile
     model = build_model(spec, index, seed=spec.run.seed)

@@ -1,0 +1,94 @@
+"""DeepSpeed's JIT-built ops (shared-memory collectives on the CPU accelerator, CPU Adam for an
+offloaded optimizer), loaded before `deepspeed.initialize`, taking turns with the machine's
+other raylib processes.
+
+torch.utils.cpp_extension guards each op's build folder with a FileBaton: a plain `lock` file
+that every load creates, built or not, and that a builder killed mid-way leaves behind. Every
+later load of that op then waits on it forever (seen: a run hung inside deepspeed.initialize →
+build_shm_op → FileBaton.wait, after a session ended during a build). Here raylib's processes
+take turns under fcntl.flock, which the kernel releases when its holder dies, so a baton seen
+while holding it belongs to a builder outside raylib or to a dead one: it is waited for until it
+is STALE_AFTER_S old, then removed with a warning that names it."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# A DeepSpeed op builds in 10-90 s on 2 cores; a baton older than this has no live builder.
+STALE_AFTER_S = 300.0
+# What DeepSpeed's CPU accelerator builds at init_distributed (raylib's workers run on it).
+SHM_COMM = "ShareMemCommBuilder"
+CPU_ADAM = "CPUAdamBuilder"
+
+
+def build_folder(op_name: str) -> Path:
+    """The folder torch builds (and keeps) this extension in: $TORCH_EXTENSIONS_DIR or
+    ~/.cache/torch_extensions/<python>_<accelerator>, then the op's name."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(op_name, verbose=False))
+
+
+def clear_stale_baton(folder: Path, stale_after_s: float = STALE_AFTER_S, poll_s: float = 0.5) -> bool:
+    """Waits while `folder/lock` is younger than stale_after_s (a live builder finishing), then
+    removes it if it is still there. -> whether a baton was removed."""
+    baton = folder / "lock"
+    while True:
+        try:
+            age = time.time() - baton.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if age >= stale_after_s:
+            break
+        time.sleep(min(poll_s, stale_after_s - age))  # polling a file another process removes
+    baton.unlink(missing_ok=True)
+    log.warning("removed a stale torch build lock %s (%.0f s old; its builder died): "
+                "the op is loaded or rebuilt now", baton, age)
+    return True
+
+
+@contextlib.contextmanager
+def _turn(root: Path) -> Iterator[None]:
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".raylib-ops.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def load(op_names: list[str], stale_after_s: float = STALE_AFTER_S) -> list[str]:
+    """Loads (building once if needed) the named DeepSpeed ops the current accelerator has and
+    can build; DeepSpeed's later loads in this process reuse them. -> the names loaded."""
+    from deepspeed.accelerator import get_accelerator
+
+    builders = []
+    for name in op_names:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and builder.is_compatible(verbose=False):
+            builders.append(builder)
+    if not builders:
+        return []
+    folders = {b.name: build_folder(b.name) for b in builders}
+    with _turn(next(iter(folders.values())).parent):
+        for builder in builders:
+            clear_stale_baton(folders[builder.name], stale_after_s)
+            builder.load(verbose=False)
+    return [b.name for b in builders]
+
+
+def needed(offload_optimizer: bool) -> list[str]:
+    """The ops a worker's deepspeed.initialize will ask for."""
+    return [SHM_COMM] + ([CPU_ADAM] if offload_optimizer else [])
+
+
+def prebuild() -> list[str]:
+    """`make setup`: the ops every CPU run loads, built once before any worker needs them."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return load([SHM_COMM, CPU_ADAM])

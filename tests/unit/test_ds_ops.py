@@ -1,0 +1,66 @@
+"""DeepSpeed's JIT ops are loaded past a lock file left by a dead builder (raylib.train.ds_ops).
+
+The failure this guards against was real: a session ended during a build of DeepSpeed's
+shared-memory comm op, its `lock` stayed, and every later run hung in deepspeed.initialize."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from raylib.train import ds_ops
+
+pytestmark = pytest.mark.unit
+
+
+def _baton(folder: Path, age_s: float) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    baton = folder / "lock"
+    baton.touch()
+    then = time.time() - age_s
+    os.utime(baton, (then, then))
+    return baton
+
+
+def test_a_baton_older_than_any_build_is_removed_at_once(tmp_path):
+    baton = _baton(tmp_path / "op", age_s=ds_ops.STALE_AFTER_S + 60)
+    start = time.monotonic()
+    assert ds_ops.clear_stale_baton(tmp_path / "op") is True
+    assert not baton.exists() and time.monotonic() - start < ds_ops.STALE_AFTER_S / 10
+
+
+def test_a_young_baton_is_waited_for_until_it_is_stale(tmp_path):
+    baton = _baton(tmp_path / "op", age_s=0)
+    start = time.monotonic()
+    assert ds_ops.clear_stale_baton(tmp_path / "op", stale_after_s=0.4, poll_s=0.05) is True
+    assert not baton.exists()
+    assert time.monotonic() - start >= 0.3  # it waited for the baton's age, not removed it at once
+
+
+def test_no_baton_is_nothing_to_do(tmp_path):
+    assert ds_ops.clear_stale_baton(tmp_path / "op") is False
+
+
+def test_the_shm_op_loads_past_a_dead_builders_lock(tmp_path):
+    """The real op, built by `make setup`, copied into a fresh extensions folder with a stale lock
+    beside it: the load returns (without the guard it waits on the lock forever)."""
+    import torch.utils.cpp_extension as ext
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    built = Path(ext._get_build_directory("deepspeed_shm_comm", verbose=False))
+    if not (built / "deepspeed_shm_comm.so").exists():
+        pytest.skip(f"DeepSpeed's shm op is not built in {built} (make setup builds it)")
+    shutil.copytree(built, tmp_path / "deepspeed_shm_comm", ignore=shutil.ignore_patterns("lock"))
+    baton = _baton(tmp_path / "deepspeed_shm_comm", age_s=ds_ops.STALE_AFTER_S + 60)
+    code = "from raylib.train import ds_ops; print(ds_ops.load([ds_ops.SHM_COMM]))"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "['deepspeed_shm_comm']" in done.stdout
+    assert "removed a stale torch build lock" in done.stderr and not baton.exists()

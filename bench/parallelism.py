@@ -91,13 +91,6 @@ LAYOUTS = {
     "tp2_pp2_dp1_zero1": (4, 2, 2, 1),
 }
 PARITY_REF = ("tp1_dp2_zero1_2workers", (2, 1, 1, 1))
-RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_reduce_coalesced": lambda n: 2 * (n - 1) / n,
-        "all_gather": lambda n: (n - 1) / n, "all_gather_into_tensor": lambda n: (n - 1) / n,
-        "_all_gather_base": lambda n: (n - 1) / n, "all_gather_coalesced": lambda n: (n - 1) / n,
-        "reduce_scatter": lambda n: (n - 1) / n, "reduce_scatter_tensor": lambda n: (n - 1) / n,
-        "_reduce_scatter_base": lambda n: (n - 1) / n, "all_to_all_single": lambda n: (n - 1) / n,
-        "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "send": lambda n: 1.0,
-        "isend": lambda n: 1.0, "recv": lambda n: 0.0, "irecv": lambda n: 0.0, "barrier": lambda n: 0.0}
 
 
 def log(msg: str) -> None:
@@ -165,90 +158,14 @@ def refusal(args, layout: tuple) -> str:
 
 # -- part 2: bytes per step by group (standalone, no Ray) ------------------------------------------
 
-_COUNT = {"on": False, "depth": 0, "rows": {}, "tp_group": None, "dp_group": None, "world": None}
-
-
-def _install_counters() -> None:
-    """Wrap every torch.distributed collective (both namespaces: DeepSpeed caches some function
-    objects when its backend starts, so this runs before deepspeed is imported)."""
-    import inspect
-
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    def nbytes(t) -> int:
-        return t.numel() * t.element_size()
-
-    def payload(name: str, a: dict) -> int:
-        if name in ("all_reduce_coalesced",):
-            return sum(nbytes(t) for t in a["tensors"])
-        if name in ("all_gather_into_tensor", "_all_gather_base"):
-            return nbytes(a["output_tensor"])
-        if name == "all_gather":
-            return sum(nbytes(t) for t in a["tensor_list"])
-        if name == "all_gather_coalesced":
-            return sum(nbytes(t) for ts in a["output_tensor_lists"] for t in ts)
-        if name in ("reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all_single"):
-            return nbytes(a["input"])
-        if name == "reduce_scatter":
-            return sum(nbytes(t) for t in a["input_list"])
-        if name == "barrier":
-            return 0
-        return nbytes(a["tensor"])
-
-    def label(group) -> tuple[str, int]:
-        ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-        if len(ranks) > 1 and ranks == _COUNT["tp_group"]:
-            return "tp", len(ranks)
-        if ranks == _COUNT["dp_group"]:  # dp1: a group of one, no traffic
-            return "dp", len(ranks)
-        if ranks == _COUNT["world"]:
-            return "world", len(ranks)
-        return f"other{list(ranks)}", len(ranks)
-
-    def wrap(name, orig, sig):
-        def counted(*args, **kwargs):
-            if not _COUNT["on"] or _COUNT["depth"]:
-                return orig(*args, **kwargs)
-            a = sig.bind(*args, **kwargs).arguments
-            group, n = label(a.get("group"))
-            size = payload(name, a)
-            _COUNT["depth"] += 1
-            t0 = time.perf_counter()
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                dt = time.perf_counter() - t0
-                _COUNT["depth"] -= 1
-                row = _COUNT["rows"].setdefault(f"{group}/{name}", {
-                    "group": group, "op": name, "group_size": n, "calls": 0, "async_calls": 0,
-                    "payload_bytes": 0, "ring_bytes_per_rank": 0.0, "sync_seconds": 0.0})
-                row["calls"] += 1
-                row["payload_bytes"] += size
-                row["ring_bytes_per_rank"] += size * RING.get(name, lambda n: 1.0)(n)
-                if a.get("async_op"):
-                    row["async_calls"] += 1
-                else:
-                    row["sync_seconds"] += dt
-        counted.__wrapped__ = orig
-        return counted
-
-    for name in RING.keys() | {"all_gather_coalesced"}:
-        orig = getattr(c10d, name, None)
-        if orig is None:
-            continue
-        w = wrap(name, orig, inspect.signature(orig))
-        for mod in (dist, c10d):
-            if getattr(mod, name, None) is orig:
-                setattr(mod, name, w)
-
-
 def _comm_worker(rank: int, world: int, port: int, spec: dict, ds_config: dict, steps: int, q) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
     import warnings
     warnings.filterwarnings("ignore")
-    _install_counters()
+    from raylib.train import commstats
+
+    commstats.install()  # before deepspeed: it caches some collectives when its backend starts
     import torch
     with contextlib.redirect_stdout(sys.stderr):
         import deepspeed
@@ -269,27 +186,27 @@ def _comm_worker(rank: int, world: int, port: int, spec: dict, ds_config: dict, 
     with contextlib.redirect_stdout(sys.stderr):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                                           config=ds_config, mpu=mpu)
-    _COUNT["world"] = tuple(range(world))
-    _COUNT["tp_group"] = tuple(layout.tp_group)
-    _COUNT["dp_group"] = tuple(range(layout.tp_rank, world, layout.tp))
+    commstats.label_groups(tp=tuple(layout.tp_group) if len(layout.tp_group) > 1 else None,
+                           dp=tuple(range(layout.tp_rank, world, layout.tp)),  # dp1: a group of one
+                           world=tuple(range(world)))
+    counted = commstats.scope("counted steps")
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     times = []
     for step in range(steps + 1):  # step 0: warm-up, not counted
         dist.barrier()
-        _COUNT["on"] = step > 0
         t0 = time.perf_counter()
-        for a in range(accum):
-            g = torch.Generator().manual_seed(1000 * step + 10 * layout.dp_rank + a)
-            ids = torch.randint(3, index.vocab_size, (micro, index.seq_len), generator=g)
-            loss = engine(input_ids=ids, labels=ids.clone()).loss
-            engine.backward(loss)
-            engine.step()
+        with counted if step else contextlib.nullcontext():
+            for a in range(accum):
+                g = torch.Generator().manual_seed(1000 * step + 10 * layout.dp_rank + a)
+                ids = torch.randint(3, index.vocab_size, (micro, index.seq_len), generator=g)
+                loss = engine(input_ids=ids, labels=ids.clone()).loss
+                engine.backward(loss)
+                engine.step()
         if step:
             times.append(time.perf_counter() - t0)
-        _COUNT["on"] = False
     elements = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
                    for p in engine.module.parameters())
-    q.put((rank, _COUNT["rows"], times, elements, micro, accum))
+    q.put((rank, counted.rows, times, elements, micro, accum))
     dist.barrier()
     dist.destroy_process_group()
 

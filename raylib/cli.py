@@ -132,7 +132,8 @@ def _run(args) -> int:
             for line in kernels["lines"]:
                 print(f"#   {line}")
         elif st.kernels != "eager":
-            print(f"# kernels: {st.kernels}: which path each op takes is listed once {spec.data.path} is built")
+            print(f"# kernels: {st.kernels}: which path each op takes is listed once {spec.data.path} "
+                  "is built")
         if peft is not None:
             print("# parameter-efficient fine-tuning (peft)")
             print(json.dumps(peft, indent=2))

@@ -362,6 +362,67 @@ class LRScheduleSpec(_Section):
     warmup_steps: int = Field(10, ge=0)
 
 
+# DeepSpeed's compressed-communication optimizers, gone from the pinned version: refused with why.
+REMOVED_COMPRESSED_OPTIMIZERS = {
+    "onebit_adam": "OneBitAdam", "zero_one_adam": "ZeroOneAdam", "onebit_lamb": "OneBitLamb"}
+
+
+class CompressionSpec(_Section):
+    """Gradient compression of the data-parallel all-reduce (raylib.train.compression): fewer
+    bytes on the wire where the network, not the accelerator, bounds the step."""
+
+    method: Literal["none", "fp16", "bf16", "powersgd", "topk", "zeropp",
+                    "onebit_adam", "zero_one_adam", "onebit_lamb"] = "none"
+    """none; fp16 / bf16: the reduction in 16 bits (DeepSpeed's communication_data_type);
+    powersgd: rank-r factors P, Q of each weight gradient (Vogels et al. 2019); topk: the largest
+    `fraction` of each gradient's entries; both with error feedback, inside DeepSpeed's reduction
+    (ZeRO 0-2). zeropp: ZeRO++'s quantized weights and gradients (ZeRO-3 on CUDA only)."""
+    rank: int = 4
+    """powersgd: the rank r of the factors (>= 1)."""
+    warm_start: bool = True
+    """powersgd: start each step's power iteration from the previous step's Q."""
+    min_compression_rate: float = Field(2.0, ge=1.0)
+    """powersgd: a gradient whose factors would not be this many times smaller goes dense."""
+    fraction: float = 0.01
+    """topk: the share of each gradient's entries sent, in (0, 1]."""
+    error_feedback: bool = True
+    """powersgd / topk: what a step's compression dropped is added to the next step's gradient."""
+    start_step: int = Field(0, ge=0)
+    """powersgd / topk: optimizer steps of exact all-reduce before compressing."""
+    hpz_partition_size: int = Field(1, ge=1)
+    """zeropp: ZeRO++'s hierarchical partition (hpZ): ranks per secondary weight copy (a node's)."""
+
+    @field_validator("rank")
+    @classmethod
+    def _rank(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"rank {v} < 1: PowerSGD needs at least one factor column; use rank: 1 or more")
+        return v
+
+    @field_validator("fraction")
+    @classmethod
+    def _fraction(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError(f"fraction {v} is outside (0, 1]: top-k sends this share of each gradient's "
+                             "entries, e.g. 0.01 for 1%")
+        return v
+
+    @field_validator("method")
+    @classmethod
+    def _removed(cls, v: str) -> str:
+        if v in REMOVED_COMPRESSED_OPTIMIZERS:
+            raise ValueError(
+                f"{v}: DeepSpeed removed {REMOVED_COMPRESSED_OPTIMIZERS[v]} (and its compressed "
+                "all-reduce backends) in 0.19 (deepspeed#8489), the version raylib pins; use method: "
+                "powersgd or topk, which compress inside DeepSpeed's reduction with error feedback")
+        return v
+
+    @property
+    def replaces_reduction(self) -> bool:
+        """Whether raylib's compressor takes over DeepSpeed's gradient all-reduce."""
+        return self.method in ("powersgd", "topk")
+
+
 class StrategySpec(_Section):
     zero_stage: ZeroStage = 2
     offload_optimizer: bool = False
@@ -399,6 +460,8 @@ class StrategySpec(_Section):
     GeLU, dropout + residual + LayerNorm, RMSNorm, the LM head's linear + cross-entropy on the
     labelled rows, SDPA attention; C++ on CPU, Triton on CUDA), auto (per op the path
     bench/kernels.py measured fastest on this device), compile (torch.compile of each block)."""
+    compression: CompressionSpec = Field(default_factory=CompressionSpec)
+    """Gradient compression of the data-parallel reduction (method none: DeepSpeed's own)."""
     deepspeed_config: str | dict[str, Any] | None = None
     """A native DeepSpeed JSON config (path or dict). It is the base of the effective config;
     the fields above fill in what it leaves out or sets to "auto"."""

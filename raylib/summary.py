@@ -48,6 +48,15 @@ class RunResult:
         if kernels and kernels["mode"] != "eager":
             ops = ", ".join(f"{op} {v['path']}" for op, v in kernels["ops"].items())
             rows.append(f"  {'kernels':<{width}}  {kernels['mode']}: {ops}")
+        comm = self.summary.get("communication")
+        if comm:
+            ratio = f", {comm['compression_ratio']:.1f}x fewer bytes" if comm["method"] != "none" \
+                and comm.get("compression_ratio") else ""
+            frac = comm.get("comm_fraction")
+            share = f", {frac:.0%} of the step" if frac is not None else ""
+            mib = comm["bytes_per_step"] / 2**20
+            rows.append(f"  {'gradients':<{width}}  {comm['method']}: {mib:.1f} MiB per step per rank{ratio}"
+                        f", reduced in {comm['reduce_s_per_step']:.3f} s{share}")
         ckpt = self.summary.get("checkpoint")
         if ckpt:
             rows.append(f"  {'checkpoints':<{width}}  {_checkpoint_line(ckpt)}")
@@ -112,6 +121,8 @@ def summarize(spec, history: RunHistory, index, ds_config: dict[str, Any],
         "param_elements_per_rank": history.param_elements,
         "shard_digests": history.shard_digests,
         "kernels": history.kernels,  # strategy.kernels: which path each op ran
+        # the gradient reduction per step: bytes counted, time, compression (strategy.compression)
+        "communication": history.communication,
         # PEFT: trainable parameters, their fraction, optimizer-state bytes, the base's digest
         "peft": history.peft,
         "wall_s": wall_s,

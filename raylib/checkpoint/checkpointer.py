@@ -240,6 +240,9 @@ class ObjectStoreCheckpointer:
             step, saved_world, (directory, memory, state, source, every_rank) = found
             with self._phase("restore_load"):
                 self._load(engine, directory, step, every_rank, memory)
+                if not every_rank:  # at another layout a rank's own state has no owner here
+                    state = {**state, "rank_state": deepspeed_io.read_rank_state(
+                        directory, deepspeed_io.tag(step), self.rank, memory)}
             return step, state, source
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -292,12 +295,13 @@ class ObjectStoreCheckpointer:
 
     # -- save -----------------------------------------------------------------------------------
 
-    def save(self, engine, step: int, metrics: dict[str, Any], state: dict[str, Any]) -> None:
+    def save(self, engine, step: int, metrics: dict[str, Any], state: dict[str, Any],
+             rank_state: dict[str, Any] | None = None) -> None:
         t0 = time.perf_counter()
         self._reap()
         self._device = engine.device
         with self._phase("capture"):
-            captured = deepspeed_io.capture(engine, step, state)
+            captured = deepspeed_io.capture(engine, step, state, rank_state)
             self._bytes = sum(p.nbytes if isinstance(p, Flat) else len(p) for p in captured.values())
             persist = self._persist_due(step)
             self._unpersisted = None if persist else step

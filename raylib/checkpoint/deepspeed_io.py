@@ -38,6 +38,9 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngi
 from raylib.checkpoint.capture import Flat, flatten, for_load
 
 PER_RANK = re.compile(r"(^|/)zero_pp_rank_\d+_")  # ZeRO's per-rank files
+# raylib's own per-rank state beside them (gradient compression's error feedback): named like
+# ZeRO's so that each rank fetches its own only, but no part of DeepSpeed's (universal) format
+RANK_STATE = "raylib_rank_state.pt"
 RAM_DISK = "/dev/shm"
 
 
@@ -57,7 +60,24 @@ def model_states(rel: str) -> bool:
 
 def needs_universal(files: list[str]) -> bool:
     """ZeRO-partitioned state (stages 1-3) only loads at its own world size."""
-    return any(PER_RANK.search(f) for f in files)
+    return any(PER_RANK.search(f) and not f.endswith(RANK_STATE) for f in files)
+
+
+def rank_state_file(step_tag: str, rank: int) -> str:
+    return f"{step_tag}/zero_pp_rank_{rank}_{RANK_STATE}"
+
+
+def read_rank_state(directory: str, step_tag: str, rank: int, memory: dict[str, Any] | None = None):
+    """This rank's raylib state saved with the checkpoint (None when it has none): from the keepers'
+    buffers when served from memory, else the file."""
+    import torch
+
+    path = os.path.abspath(os.path.join(directory, rank_state_file(step_tag, rank)))
+    if memory and path in memory:
+        return for_load(*memory[path])
+    if os.path.isfile(path) and os.path.getsize(path):
+        return torch.load(path, map_location="cpu", weights_only=False)
+    return None
 
 
 def frozen(engine) -> bool:
@@ -106,17 +126,23 @@ class CaptureEngine(CheckpointEngine):
         return False  # else DeepSpeed clones every tensor first; the HostCopy copies each once
 
 
-def capture(engine, step: int, state: dict[str, Any]) -> dict[str, Any]:
+def capture(engine, step: int, state: dict[str, Any],
+            rank_state: dict[str, Any] | None = None) -> dict[str, Any]:
     """Snapshot the engine (every rank must call: save_checkpoint has barriers): {relative path:
     Flat} for the state dicts (their live tensors, for a capture.HostCopy: nothing may write to
     them before its fence), {relative path: bytes} for the small plain files DeepSpeed writes itself
-    (`latest`, its recovery scripts)."""
+    (`latest`, its recovery scripts). `rank_state`: this rank's own raylib state, a file beside its
+    ZeRO partition (rank_state_file)."""
     directory = tempfile.mkdtemp(prefix="raylib-capture-")
     previous, engine.checkpoint_engine = engine.checkpoint_engine, CaptureEngine(directory)
     try:
         engine.save_checkpoint(directory, tag=tag(step), client_state={"step": step, "state": state},
                                exclude_frozen_parameters=frozen(engine))
         captured: dict[str, Any] = dict(engine.checkpoint_engine.captured)
+        if rank_state is not None:
+            import torch.distributed as dist
+
+            captured[rank_state_file(tag(step), dist.get_rank())] = flatten(rank_state, defer=True)
         for root, _, names in os.walk(directory):
             for name in names:
                 with open(os.path.join(root, name), "rb") as f:

@@ -12,6 +12,7 @@ between runs of the same name keeps resuming.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from typing import Any
@@ -49,11 +50,15 @@ class Checkpointer:
                 return found
         return restore(engine) if checkpoint is not None and pointer is None else (0, {})
 
-    def save(self, engine, step: int, metrics: dict[str, Any], state: dict[str, Any]) -> None:
+    def save(self, engine, step: int, metrics: dict[str, Any], state: dict[str, Any],
+             rank_state: dict[str, Any] | None = None) -> None:
+        """`state`: small JSON-able client state; `rank_state`: this rank's own tensors (gradient
+        compression's error feedback), a file of its own in the checkpoint. A restore returns it
+        as state["rank_state"]."""
         if self.in_memory:
-            self.memory.save(engine, step, metrics, state)
+            self.memory.save(engine, step, metrics, state, rank_state)
         else:
-            save(engine, step, metrics, state)
+            save(engine, step, metrics, state, rank_state)
 
     def fence(self) -> None:
         """Before every optimizer step: a snapshot's host copy may still be reading the weights."""
@@ -67,15 +72,22 @@ class Checkpointer:
         return self.memory.metrics() if self.in_memory else {"mode": "ray-train"}
 
 
-def save(engine, step: int, metrics: dict[str, Any], state: dict[str, Any] | None = None) -> None:
+def save(engine, step: int, metrics: dict[str, Any], state: dict[str, Any] | None = None,
+         rank_state: dict[str, Any] | None = None) -> None:
     """Save the engine (all ranks must call) and report it with `metrics` to Ray Train.
     `state`: small JSON-able client state of this rank (e.g. the data pipeline's position)."""
     import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from raylib.checkpoint.deepspeed_io import rank_state_file
 
     local = tempfile.mkdtemp(prefix="raylib-ckpt-")
     try:
         engine.save_checkpoint(local, tag=TAG, client_state={"step": step, "state": state or {}},
                                exclude_frozen_parameters=frozen(engine))
+        if rank_state is not None:  # Ray Train merges the ranks' directories: one file each
+            torch.save(rank_state, os.path.join(local, rank_state_file(TAG, dist.get_rank())))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(local))
     finally:
         shutil.rmtree(local, ignore_errors=True)
@@ -89,8 +101,13 @@ def restore(engine) -> tuple[int, dict[str, Any]]:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return 0, {}
+    import torch.distributed as dist
+
+    from raylib.checkpoint.deepspeed_io import read_rank_state
+
     with checkpoint.as_directory() as directory:
         path, client_state = engine.load_checkpoint(directory, tag=TAG, load_module_strict=not frozen(engine))
+        rank_state = read_rank_state(directory, TAG, dist.get_rank())
     if path is None:
         raise RuntimeError(f"checkpoint {checkpoint.path} holds no DeepSpeed tag {TAG!r}")
-    return int(client_state["step"]), dict(client_state.get("state") or {})
+    return int(client_state["step"]), {**(client_state.get("state") or {}), "rank_state": rank_state}

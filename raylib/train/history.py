@@ -44,6 +44,9 @@ class RunHistory:
     across replicas, different across the ranks of a tp group."""
     kernels: dict[str, Any] | None = None
     """strategy.kernels: the mode and which path each op ran (raylib.ops.patch.KernelPatch.report)."""
+    communication: dict[str, Any] | None = None
+    """The gradient reduction per optimizer step (ZeRO 0-2): bytes counted, time, compression ratio,
+    error-feedback norm (raylib.train.grad_reduction)."""
     evals: list[dict[str, float]] = field(default_factory=list)
     """Evaluations on the validation split: {"step": n, "eval_loss": ..., ...} (task's metrics)."""
     peft: dict[str, Any] | None = None

@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from raylib.train import checkpointing, ds_ops
+from raylib.train import checkpointing, ds_ops, grad_reduction
 from raylib.train.history import RunHistory
 from raylib.train.progress import worker_logs
 
@@ -24,6 +24,9 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed deprecations, per step
     worker_logs(config["run_dir"])  # this rank's logging and print() also go to <run dir>/logs/
 
+    from raylib.train import commstats
+
+    commstats.install()  # before deepspeed: it keeps some collectives' function objects at import
     import deepspeed
     import ray
     import ray.train
@@ -61,12 +64,16 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     engine, *_ = deepspeed.initialize(  # the optimizer gets (and ZeRO partitions) what is trained;
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],  # AutoTP
         config=ds_config, mpu=mpu)  # shards the projections here when tp > 1
+    reduction = grad_reduction.install(engine, spec)  # measured, or compressed (strategy.compression)
     start, state = checkpointer.restore(engine)
+    same_world = len(state.get("ranks") or []) == dist.get_world_size()
+    rank_state = state.pop("rank_state", None) or {}  # this rank's own file in the checkpoint
     peft = _peft_start(engine, spec, config, start, state) if spec.peft is not None else None
     verify = spec.run.verify
     # what came back, compared exactly with the saving run's final digest (a collective: every rank)
     restored_digest = _parameter_digest(engine, spec.strategy.zero_stage) if start and verify else None
     state = _own_state(state, rank)
+    reduction.load_state_dict(rank_state.get("compression"), same_world)  # error feedback, PowerSGD's Q
     _restore_rng(state.get("rng"), on_gpu)
     accum = engine.gradient_accumulation_steps()
     micro = engine.train_micro_batch_size_per_gpu()
@@ -109,6 +116,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
             total += loss.item()
         step_times.append(time.perf_counter() - t0)
         losses.append(total / accum)
+        reduction.step_done(step_times[-1])
 
         done = step + 1
         metrics = {"step": done, "loss": losses[-1], "lr": engine.get_lr()[0],
@@ -124,8 +132,10 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
             done % spec.run.log_every == 0 and preempt_probe()
         if preempted or _checkpoint_due(spec, done):
             tc = time.perf_counter()
+            compression = reduction.state_dict()
             checkpointer.save(engine, done, metrics, _client_state(pipeline, on_gpu, config.get("peft_base"),
-                                                                 layout.tp))
+                                                                 layout.tp),
+                              rank_state={"compression": compression} if compression else None)
             checkpoint_s += time.perf_counter() - tc
         elif done % spec.run.log_every == 0 or (evals and evals[-1]["step"] == done):
             ray.train.report(metrics)
@@ -155,7 +165,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
             os.makedirs(os.path.join(config["run_dir"], "verify"), exist_ok=True)
             torch.save(probed, os.path.join(config["run_dir"], "verify", "probe.pt"))
     dist.all_gather_object(ranks, (digest, node, data_brief, _peak_memory(on_gpu), _own_elements(engine),
-                                  shard))
+                                  shard, reduction.metrics()))
     if rank != 0:
         return None
     return RunHistory(
@@ -168,7 +178,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         checkpoint=checkpointer.metrics(), preempted=preempted, evals=evals,
         peak_memory_bytes=[r[3] for r in ranks], param_elements=[r[4] for r in ranks],
         shard_digests=[r[5] for r in ranks] if verify and layout.tp > 1 else None, peft=peft,
-        kernels=kernels,
+        kernels=kernels, communication=_communication([r[6] for r in ranks]),
     )
 
 
@@ -235,6 +245,15 @@ def _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start
         raise RuntimeError("the checkpoint was taken with a different data order (data.shuffle_seed, "
                            "dataset or world size changed); resume with the same data settings")
     return pipeline
+
+
+def _communication(ranks: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Rank 0's reduction metrics (grad_reduction.GradReduction.metrics), with every rank's bytes
+    and reduction time per step beside them."""
+    if not ranks or ranks[0] is None:
+        return None
+    keep = ("bytes_per_step", "reduce_s_per_step")
+    return {**ranks[0], "ranks": [{k: r[k] for k in keep} for r in ranks if r is not None]}
 
 
 def _client_state(pipeline, on_gpu: bool, peft_base: str | None = None, tp: int = 1) -> dict[str, Any]:

@@ -90,12 +90,72 @@ def resolve_ds_config(spec: JobSpec, on_gpu: bool = False) -> dict[str, Any]:
         theirs = user.get(key, {}).get("type", "auto")
         if theirs != "auto" and key in generated and theirs != generated[key]["type"]:
             del generated[key]
+    _compression_section(spec, user, generated, on_gpu)
     config = _merge(user, generated)
     _check_offload(spec, config["zero_optimization"])
+    _check_compression(spec, config)
     from raylib.train.ds_validate import check_with_deepspeed  # DeepSpeed's own checks
 
     check_with_deepspeed(config, on_gpu=on_gpu, world_size=spec.dp_size)
     return config
+
+
+def _compression_section(spec: JobSpec, user: dict[str, Any], generated: dict[str, Any],
+                         on_gpu: bool) -> None:
+    """strategy.compression's DeepSpeed keys. Rules that need no effective config are checked here;
+    the ones about the ZeRO stage the merge ends with, in _check_compression."""
+    s, c = spec.strategy, spec.strategy.compression
+    key = "strategy.compression.method"
+    if c.method in ("fp16", "bf16"):
+        if c.method == "fp16" and s.precision == "bf16":
+            raise ValueError(f"{key}=fp16 with precision bf16: fp16's range is far narrower than bf16's "
+                             "(gradients overflow); use method: bf16, DeepSpeed's default at bf16")
+        theirs = user.get("communication_data_type")
+        if theirs not in (None, "auto", c.method):
+            raise ValueError(f"{key}={c.method} contradicts deepspeed_config communication_data_type="
+                             f"{theirs!r}; remove one of them")
+        generated["communication_data_type"] = c.method  # gloo reduces fp16/bf16 on CPU (torch >= 2.2)
+    elif c.replaces_reduction:
+        if s.tensor_parallel > 1 or s.pipeline_parallel > 1:
+            raise ValueError(f"{key}={c.method} compresses a pure data-parallel reduction; it is not "
+                             "built for tensor_parallel/pipeline_parallel > 1 (set both to 1 or method: "
+                             "bf16)")
+        if s.precision == "fp16":
+            raise ValueError(f"{key}={c.method} with precision fp16: the loss-scaled gradients' overflow "
+                             "checks would see compressed values; use precision bf16 or fp32")
+        if s.offload_optimizer:
+            raise ValueError(f"{key}={c.method} with offload_optimizer is not supported (the offloaded "
+                             "partition's reduction path is not the one compressed); set "
+                             "offload_optimizer: false")
+        if s.zero_stage in (1, 2):
+            # the reduction must be one all-reduce of a contiguous bucket, done on the training thread
+            generated["zero_optimization"].update(reduce_scatter=False, overlap_comm=False,
+                                                  contiguous_gradients=True)
+    elif c.method == "zeropp":
+        if not on_gpu:
+            raise ValueError(f"{key}=zeropp needs CUDA: ZeRO++'s quantization kernels have no CPU "
+                             "implementation in DeepSpeed (its QuantizerBuilder is not built for the CPU "
+                             "accelerator); on CPU use method: powersgd, topk or bf16")
+        generated["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True,
+                                              zero_hpz_partition_size=c.hpz_partition_size)
+
+
+def _check_compression(spec: JobSpec, config: dict[str, Any]) -> None:
+    c, zero = spec.strategy.compression, config["zero_optimization"]
+    stage, key = zero.get("stage", 0), "strategy.compression.method"
+    if c.replaces_reduction:
+        if stage == 3:
+            raise ValueError(f"{key}={c.method} needs ZeRO stage 0, 1 or 2 (effective stage: 3): ZeRO-3 "
+                             "reduce-scatters gradients into partitions, which low-rank and top-k "
+                             "compression do not fit; use zero_stage 0-2, or method: bf16 at stage 3")
+        needs = (("reduce_scatter", False), ("overlap_comm", False), ("contiguous_gradients", True))
+        for name, wanted in needs:
+            if stage in (1, 2) and zero.get(name, wanted) != wanted:
+                raise ValueError(f"{key}={c.method} at ZeRO-{stage} needs zero_optimization.{name}: "
+                                 f"{str(wanted).lower()} (deepspeed_config sets {zero[name]!r}); remove it")
+    if c.method == "zeropp" and stage != 3:
+        raise ValueError(f"{key}=zeropp needs ZeRO stage 3 (effective stage: {stage}): DeepSpeed applies "
+                         "ZeRO++'s quantization to stage 3 only and ignores it elsewhere; set zero_stage: 3")
 
 
 def _check_offload(spec: JobSpec, zero: dict[str, Any]) -> None:

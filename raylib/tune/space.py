@@ -34,11 +34,16 @@ SPACE_KEYS = {
     "peft.method": "peft",
     "peft.r": "peft",
     "lr": "strategy.optimizer",
+    # gradient compression of the data-parallel reduction: pays where the network bounds the step
+    "compression.method": "strategy.compression",
+    "compression.rank": "strategy.compression",
+    "compression.fraction": "strategy.compression",
 }
 # Keys whose values have an order (neighbours in the coordinate search are adjacent values);
 # precision is categorical and booleans have two values.
 ORDERED_KEYS = {"zero_stage", "micro_batch_size", "num_workers", "tensor_parallel", "reduce_bucket_size",
-                "allgather_bucket_size", "prefetch_batches", "peft.r", "lr"}
+                "allgather_bucket_size", "prefetch_batches", "peft.r", "lr", "compression.rank",
+                "compression.fraction"}
 MAX_AUTO_MICRO_BATCHES = 4
 
 
@@ -285,7 +290,8 @@ def _short(key: str) -> str:
             "offload_optimizer": "off_opt", "offload_params": "off_par", "num_workers": "workers",
             "overlap_comm": "overlap", "reduce_bucket_size": "rbucket",
             "allgather_bucket_size": "agbucket", "prefetch_batches": "prefetch",
-            "peft.method": "peft", "peft.r": "r"}.get(key, key)
+            "peft.method": "peft", "peft.r": "r", "compression.method": "comp",
+            "compression.rank": "comp_r", "compression.fraction": "comp_k"}.get(key, key)
 
 
 def _fmt(v: Any) -> str:

@@ -1,0 +1,187 @@
+"""DeepSpeed's data-parallel gradient reduction, measured and, with strategy.compression powersgd or
+topk, taken over by a compressor (raylib.train.compression).
+
+DeepSpeed has no DDP-style communication hook, and the 1-bit optimizers that once bypassed its
+reduction are gone from the pinned 0.19. The seam is an instance override of the method each ZeRO
+stage funnels its gradients through, installed right after deepspeed.initialize:
+
+- ZeRO-0: `engine.allreduce_and_copy(bucket, group, world)`: a list of gradient tensors, reduced in
+  place, once per optimizer step (at the accumulation boundary);
+- ZeRO-1/2: `optimizer.gradient_reduction_w_predivide(flat, dtype)`: one contiguous bucket of
+  gradients, in the order of `ipg_buckets[dtype].params` (strategy.py turns reduce_scatter and
+  overlap_comm off so that every reduction takes this path); without a compressor `average_tensor`,
+  around it (either reduce_scatter path), is timed;
+- ZeRO-3: not measured (its reduce-scatter runs in hooks of its own); compression is refused there.
+
+Every reduction is timed and its collectives' bytes are counted (raylib.train.commstats) per
+optimizer step; a compressor that the first step never reached is an error, not a silent no-op."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from raylib.train import commstats
+
+
+class SeamNotReached(RuntimeError):
+    pass
+
+
+class GradReduction:
+    """Installed on one engine; `step_done()` after each optimizer step closes its accounting."""
+
+    def __init__(self, engine, stage: int, compressor=None, method: str | None = None):
+        self.engine, self.stage, self.compressor = engine, stage, compressor
+        self.method = method or (compressor.method if compressor is not None else "none")
+        self.steps: list[dict[str, float]] = []
+        self._open = self._empty()
+        self._names = {id(p): n for n, p in engine.module.named_parameters()}
+        self.reached = False
+        if stage == 0:
+            self._wrap(engine, "allreduce_and_copy", self._zero0)
+        elif stage in (1, 2):
+            if compressor is not None:
+                self._wrap(engine.optimizer, "gradient_reduction_w_predivide", self._zero12)
+            else:
+                self._wrap(engine.optimizer, "average_tensor", self._timed)
+        elif compressor is not None:
+            raise ValueError("gradient compression needs ZeRO stage 0, 1 or 2")
+
+    @staticmethod
+    def _empty() -> dict[str, float]:
+        return {"reduce_s": 0.0, "collective_s": 0.0, "payload_bytes": 0, "ring_bytes": 0.0, "calls": 0,
+                "dense_bytes": 0, "error_norm_sq": 0.0, "grad_norm_sq": 0.0, "compressed": 0}
+
+    def _wrap(self, owner, name: str, replacement) -> None:
+        original = getattr(owner, name)
+
+        def seam(*args, **kwargs):
+            return replacement(original, *args, **kwargs)
+
+        seam.__wrapped__ = original
+        setattr(owner, name, seam)
+
+    # -- the seams --------------------------------------------------------------------------------
+
+    def _timed(self, original, grads, *args, **kwargs):
+        """DeepSpeed's own reduction of `grads` (a flat bucket, or a list of tensors), measured."""
+        start = time.perf_counter()
+        with commstats.scope("reduce") as counted:
+            out = original(grads, *args, **kwargs)
+        # what an all-reduce in the gradients' own dtype would hand over (16-bit communication halves it)
+        dense = sum(t.numel() * t.element_size() for t in ([grads] if hasattr(grads, "numel") else grads))
+        self._account(time.perf_counter() - start, counted, {"dense_bytes": dense})
+        return out
+
+    def _zero0(self, original, bucket, dp_group, dp_world_size=None):
+        if self.compressor is None:
+            return self._timed(original, bucket, dp_group, dp_world_size)
+        by_address = {p.grad.data_ptr(): n for n, p in self.engine.module.named_parameters()
+                      if p.grad is not None}
+        calls = self._open["calls"]
+        named = [(by_address.get(t.data_ptr(), f"bucket{calls}/{i}"), t) for i, t in enumerate(bucket)]
+        self._compress(named, dp_group, dp_world_size)
+
+    def _zero12(self, original, tensor, communication_data_type):
+        if tensor.numel() == 0:
+            return tensor
+        optimizer = self.engine.optimizer
+        bucket = optimizer.ipg_buckets[communication_data_type]
+        params = [optimizer.bit16_groups[g][i] for g, i, _ in bucket.params]
+        if sum(p.numel() for p in params) != tensor.numel():
+            raise SeamNotReached(f"DeepSpeed's reduction bucket ({tensor.numel()} elements) does not hold "
+                                 f"its recorded parameters ({sum(p.numel() for p in params)}): the "
+                                 "compression seam does not fit this DeepSpeed version")
+        named, offset = [], 0
+        for p in params:
+            # the parameter's shape: PowerSGD factors a matrix (the bucket holds it row-major)
+            view = tensor.narrow(0, offset, p.numel()).view(p.shape)
+            named.append((self._names.get(id(p), f"param{id(p)}"), view))
+            offset += p.numel()
+        self._compress(named, optimizer.dp_process_group, None)
+        return tensor
+
+    def _compress(self, named, group, world) -> None:
+        import torch.distributed as dist
+
+        world = int(world) if world else dist.get_world_size(group=group)
+        start = time.perf_counter()
+        with commstats.scope("reduce") as counted:
+            self.compressor.reduce_(named, group, world, self.engine.global_steps)
+        self.reached = True
+        last = self.compressor.last
+        self._account(time.perf_counter() - start, counted, last)
+
+    def _account(self, seconds: float, counted, last: dict) -> None:
+        o = self._open
+        o["reduce_s"] += seconds
+        o["collective_s"] += counted.sync_seconds
+        o["payload_bytes"] += counted.payload_bytes
+        o["ring_bytes"] += counted.ring_bytes_per_rank
+        o["calls"] += 1
+        o["dense_bytes"] += last["dense_bytes"]
+        if "error_norm" in last:  # a compressor's call
+            o["error_norm_sq"] += last["error_norm"] ** 2
+            o["grad_norm_sq"] += last["grad_norm"] ** 2
+            o["compressed"] += int(last["compressed"])
+
+    # -- per step -----------------------------------------------------------------------------------
+
+    def step_done(self, step_s: float) -> None:
+        if self.compressor is not None and not self.reached:
+            raise SeamNotReached(f"strategy.compression.method={self.method}: DeepSpeed's gradient "
+                                 f"reduction (ZeRO-{self.stage}) never reached raylib's compressor in "
+                                 "a whole step; this DeepSpeed version routes it elsewhere")
+        self._open["step_s"] = step_s
+        self.steps.append(self._open)
+        self._open = self._empty()
+
+    def metrics(self) -> dict[str, Any] | None:
+        """Per optimizer step, medians over the steps after the first (warm-up), for this rank."""
+        if self.stage == 3 or not self.steps:
+            return None
+        steady = self.steps[1:] or self.steps
+        med = {k: statistics.median(s[k] for s in steady) for k in steady[0]}
+        last = self.steps[-1]
+        out: dict[str, Any] = {
+            "method": self.method,
+            "reductions_per_step": med["calls"],
+            "bytes_per_step": int(med["payload_bytes"]),
+            "ring_bytes_per_step": int(med["ring_bytes"]),
+            "uncompressed_bytes_per_step": int(med["dense_bytes"]),
+            "compression_ratio": med["dense_bytes"] / med["payload_bytes"] if med["payload_bytes"] else None,
+            "reduce_s_per_step": med["reduce_s"],
+            "collective_s_per_step": med["collective_s"],
+            "comm_fraction": med["reduce_s"] / med["step_s"] if med["step_s"] else None,
+        }
+        if self.compressor is not None:
+            out["error_feedback_norm"] = last["error_norm_sq"] ** 0.5
+            grad = last["grad_norm_sq"] ** 0.5
+            out["error_to_grad_norm"] = out["error_feedback_norm"] / grad if grad else None
+            out["compressed_steps"] = sum(1 for s in self.steps if s["compressed"])
+        return out
+
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.compressor.state_dict() if self.compressor is not None else None
+
+    def load_state_dict(self, state: dict[str, Any] | None, same_world: bool) -> None:
+        if self.compressor is not None and state:
+            self.compressor.load_state_dict(state, same_world=same_world)
+
+
+def install(engine, spec) -> GradReduction:
+    """The reduction seam of `engine` for spec.strategy.compression (after deepspeed.initialize)."""
+    c = spec.strategy.compression
+    compressor = None
+    if c.replaces_reduction:
+        from raylib.train.compression import make_compressor
+
+        compressor = make_compressor(c.method, rank=c.rank, warm_start=c.warm_start,
+                                     min_compression_rate=c.min_compression_rate, fraction=c.fraction,
+                                     error_feedback=c.error_feedback, start_step=c.start_step,
+                                     seed=spec.run.seed)
+    return GradReduction(engine, engine.zero_optimization_stage(), compressor, c.method)

@@ -45,12 +45,13 @@ def _batches(rank: int, n: int, micro: int = 8, seq: int = 32):
     return out
 
 
-def _ds_config(stage: int) -> dict:
+def _ds_config(stage: int, communication: str | None = None) -> dict:
     zero = {"stage": stage}
     if stage:
         zero.update(reduce_scatter=False, overlap_comm=False, contiguous_gradients=True,
                     reduce_bucket_size=20_000)  # several buckets, one larger than a bucket
-    return {"train_batch_size": 8 * WORLD, "train_micro_batch_size_per_gpu": 8,
+    extra = {"communication_data_type": communication} if communication else {}
+    return {**extra, "train_batch_size": 8 * WORLD, "train_micro_batch_size_per_gpu": 8,
             "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 10**9,
             "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "torch_adam": True}},
             "zero_optimization": zero}
@@ -88,17 +89,20 @@ def _worker(rank: int, port: int, out: str, jobs: list) -> None:
         torch.manual_seed(0)
         model = _model()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
-                                          config=_ds_config(stage))
-        compressor = make_compressor(method, seed=0, **options) if method else None
-        reduction = GradReduction(engine, stage, compressor)
+                                          config=_ds_config(stage, options.pop("communication", None)))
+        # method: "bare" (DeepSpeed untouched), None (its reduction, measured), else a compressor
+        compressor = make_compressor(method, seed=0, **options) if method not in (None, "bare") else None
+        reduction = GradReduction(engine, stage, compressor) if method != "bare" else None
         batches, losses = _batches(rank, 32 if steps >= CONVERGENCE_STEPS else 4), []
         for step in range(steps):
             loss = engine(**batches[step % len(batches)]).loss
             engine.backward(loss)
             engine.step()
-            reduction.step_done(1.0)
+            if reduction is not None:
+                reduction.step_done(1.0)
             losses.append(loss.item())
-        results[name] = {"losses": losses, "digest": _digest(engine), "metrics": reduction.metrics()}
+        results[name] = {"losses": losses, "digest": _digest(engine),
+                         "metrics": reduction.metrics() if reduction is not None else None}
         engine.destroy()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
@@ -117,17 +121,27 @@ def _spawn(tmp_path, jobs: list) -> list[dict]:
 
 
 def test_a_pass_through_compressor_at_the_seam_is_bit_identical_to_deepspeeds_reduction(tmp_path):
-    jobs = [(f"{kind}{stage}", stage, "none" if kind == "seam" else None, 4, {})
-            for stage in (0, 1, 2) for kind in ("deepspeed", "seam")]
+    """Per stage: DeepSpeed untouched ("bare"), its reduction measured (what every run has with
+    compression off) and the seam with an exact all-reduce average train bit-identically; 16-bit
+    communication (DeepSpeed's communication_data_type) halves the counted bytes."""
+    jobs = [(f"{kind}{stage}", stage, {"bare": "bare", "measured": None, "seam": "none"}[kind], 4, {})
+            for stage in (0, 1, 2) for kind in ("bare", "measured", "seam")]
+    jobs += [(f"{dtype}2", 2, None, 4, {"communication": dtype}) for dtype in ("fp16", "bf16")]
     ranks = _spawn(tmp_path, jobs)
     for stage in (0, 1, 2):
-        ours, theirs = ranks[0][f"seam{stage}"], ranks[0][f"deepspeed{stage}"]
-        assert ours["losses"] == theirs["losses"], stage
-        assert ours["digest"] == theirs["digest"] == ranks[1][f"seam{stage}"]["digest"], stage
-        # both ways were measured: the same dense bytes went through the reduction each step
-        assert ours["metrics"]["bytes_per_step"] == theirs["metrics"]["bytes_per_step"] > 0, stage
-        assert ours["metrics"]["compression_ratio"] == 1.0
+        bare, measured, seam = (ranks[0][f"{kind}{stage}"] for kind in ("bare", "measured", "seam"))
+        assert bare["losses"] == measured["losses"] == seam["losses"], stage
+        assert bare["digest"] == measured["digest"] == seam["digest"] == ranks[1][f"seam{stage}"]["digest"]
+        # both measured ways: the same dense bytes went through the reduction each step
+        assert seam["metrics"]["bytes_per_step"] == measured["metrics"]["bytes_per_step"] > 0, stage
+        assert seam["metrics"]["compression_ratio"] == measured["metrics"]["compression_ratio"] == 1.0
     assert ranks[0]["seam2"]["metrics"]["reductions_per_step"] > 1  # several buckets at ZeRO-2
+    for dtype in ("fp16", "bf16"):
+        m = ranks[0][f"{dtype}2"]["metrics"]
+        assert 2 * m["bytes_per_step"] == m["uncompressed_bytes_per_step"] == \
+            ranks[0]["measured2"]["metrics"]["bytes_per_step"] and m["compression_ratio"] == 2.0
+        losses = ranks[0][f"{dtype}2"]["losses"]
+        assert losses != ranks[0]["measured2"]["losses"] and losses[-1] < losses[0]  # rounded, still learns
 
 
 def test_powersgd_and_topk_converge_within_the_margin_of_uncompressed(tmp_path):

@@ -38,6 +38,7 @@ class GradReduction:
         self.steps: list[dict[str, float]] = []
         self._open = self._empty()
         self._names = {id(p): n for n, p in engine.module.named_parameters()}
+        self._all_bytes = _all_payload_bytes()
         self.reached = False
         if stage == 0:
             self._wrap(engine, "allreduce_and_copy", self._zero0)
@@ -135,6 +136,8 @@ class GradReduction:
                                  f"reduction (ZeRO-{self.stage}) never reached raylib's compressor in "
                                  "a whole step; this DeepSpeed version routes it elsewhere")
         self._open["step_s"] = step_s
+        now = _all_payload_bytes()  # every collective since the last step: ZeRO's all-gather too
+        self._open["all_bytes"], self._all_bytes = now - self._all_bytes, now
         self.steps.append(self._open)
         self._open = self._empty()
 
@@ -152,6 +155,9 @@ class GradReduction:
             "ring_bytes_per_step": int(med["ring_bytes"]),
             "uncompressed_bytes_per_step": int(med["dense_bytes"]),
             "compression_ratio": med["dense_bytes"] / med["payload_bytes"] if med["payload_bytes"] else None,
+            # all of this rank's collectives per step: at ZeRO-1/2 also the all-gather of the updated
+            # parameters, which no gradient compression touches
+            "collective_bytes_per_step": int(med["all_bytes"]),
             "reduce_s_per_step": med["reduce_s"],
             "collective_s_per_step": med["collective_s"],
             "comm_fraction": med["reduce_s"] / med["step_s"] if med["step_s"] else None,
@@ -171,6 +177,10 @@ class GradReduction:
     def load_state_dict(self, state: dict[str, Any] | None, same_world: bool) -> None:
         if self.compressor is not None and state:
             self.compressor.load_state_dict(state, same_world=same_world)
+
+
+def _all_payload_bytes() -> int:
+    return sum(row["payload_bytes"] for row in commstats.totals().values())
 
 
 def install(engine, spec) -> GradReduction:

@@ -136,6 +136,9 @@ def test_a_pass_through_compressor_at_the_seam_is_bit_identical_to_deepspeeds_re
         assert seam["metrics"]["bytes_per_step"] == measured["metrics"]["bytes_per_step"] > 0, stage
         assert seam["metrics"]["compression_ratio"] == measured["metrics"]["compression_ratio"] == 1.0
     assert ranks[0]["seam2"]["metrics"]["reductions_per_step"] > 1  # several buckets at ZeRO-2
+    for stage in (1, 2):  # every collective of a step: ZeRO's parameter all-gather besides the reduction
+        m = ranks[0][f"measured{stage}"]["metrics"]
+        assert m["collective_bytes_per_step"] > m["bytes_per_step"], m
     for dtype in ("fp16", "bf16"):
         m = ranks[0][f"{dtype}2"]["metrics"]
         assert 2 * m["bytes_per_step"] == m["uncompressed_bytes_per_step"] == \

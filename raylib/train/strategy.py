@@ -42,6 +42,7 @@ def resolve_ds_config(spec: JobSpec, on_gpu: bool = False) -> dict[str, Any]:
     """
     s = spec.strategy
     user = load_json_or_path(s.deepspeed_config) if s.deepspeed_config is not None else {}
+    _check_removed_keys(user)
     unknown = sorted(set(user) - DEEPSPEED_TOP_LEVEL_KEYS)
     if unknown:
         raise ValueError(
@@ -98,6 +99,25 @@ def resolve_ds_config(spec: JobSpec, on_gpu: bool = False) -> dict[str, Any]:
 
     check_with_deepspeed(config, on_gpu=on_gpu, world_size=spec.dp_size)
     return config
+
+
+def _check_removed_keys(user: dict[str, Any]) -> None:
+    """Keys DeepSpeed removed (0.19, deepspeed#8489), named with DeepSpeed's own reason: its parser
+    rejects them with a message that does not say which key it means."""
+    if not user:
+        return
+    from deepspeed.runtime import config as ds_config  # its tables of removed keys, with the reasons
+
+    zero = user.get("zero_optimization")
+    found = [(key, why) for key, why in getattr(ds_config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {}).items()
+             if key in user]
+    found += [(f"zero_optimization.{key}", why)
+              for key, why in getattr(ds_config, "_REMOVED_ZERO_CONFIG_KEYS", {}).items()
+              if isinstance(zero, dict) and key in zero]
+    if found:
+        key, why = found[0]
+        raise ValueError(f"strategy.deepspeed_config.{key}: DeepSpeed removed it: {why.strip()} "
+                         "Remove the key.")
 
 
 def _compression_section(spec: JobSpec, user: dict[str, Any], generated: dict[str, Any],

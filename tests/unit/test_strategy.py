@@ -548,3 +548,13 @@ def test_explicit_null_batch_field_does_not_clash():
     cfg = ds({"micro_batch_size": None,
               "deepspeed_config": {"train_micro_batch_size_per_gpu": 4}})
     assert cfg["train_micro_batch_size_per_gpu"] == 4
+
+
+@pytest.mark.parametrize("user, key", [({"amp": {"enabled": True}}, "amp"),
+                                       ({"sparse_gradients": True}, "sparse_gradients"),
+                                       ({"zero_optimization": {"stage": 3, "mics_shard_size": 2}},
+                                        "zero_optimization.mics_shard_size")])
+def test_a_key_deepspeed_removed_is_named_with_deepspeeds_reason(user, key):
+    message = spec_error({"deepspeed_config": user})
+    assert message.startswith(f"strategy.deepspeed_config.{key}: DeepSpeed removed it: ")
+    assert "deepspeedai/DeepSpeed/issues/8489" in message

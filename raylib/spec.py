@@ -590,6 +590,133 @@ class RunSpec(_Section):
     Costs a gather of the whole model (tests, debugging); off in production."""
 
 
+# The readings a health rule may test: a GPU's (raylib.telemetry.nvml.DeviceReading) and the
+# host's (raylib.telemetry.host.HostReading). List-valued ones (xid, throttle) take `any_of`.
+DEVICE_METRICS = (
+    "utilization_pct", "memory_utilization_pct", "memory_used_bytes", "memory_total_bytes",
+    "temperature_c", "slowdown_temperature_c", "shutdown_temperature_c", "power_w", "power_limit_w",
+    "energy_j", "sm_clock_mhz", "memory_clock_mhz", "throttle_reasons", "ecc_corrected",
+    "ecc_uncorrected", "retired_pages", "remapped_rows_pending", "remapped_rows_failure",
+    "remapped_rows_uncorrectable")
+HOST_METRICS = ("cpu_pct", "host_cpu_pct", "rss_bytes", "memory_available_bytes", "memory_total_bytes_host")
+LIST_METRICS = ("xid", "throttle")
+THRESHOLDS = ("slowdown_temperature_c", "shutdown_temperature_c", "power_limit_w")
+HW_SLOWDOWN = ["hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"]
+
+
+class TelemetrySpec(_Section):
+    """What every worker samples while it trains (a thread beside the loop: its own GPU through
+    NVML, its own process and the host on CPU), and how a run's energy is accounted."""
+
+    enabled: bool = True
+    interval_s: float = Field(1.0, gt=0)
+    """Seconds between samples."""
+    export_metrics: bool = True
+    """Publish raylib's gauges through Ray's metrics API (Ray dashboard, Prometheus, Grafana)."""
+    peak_flops: float | None = Field(None, gt=0)
+    """A device's peak FLOP/s for MFU (None: the GPU catalogue, or on CPU a matmul microbenchmark
+    measured once and cached)."""
+    cpu_tdp_w: float | None = Field(None, gt=0)
+    """The CPU package's power at full load, for the energy estimate where RAPL is absent
+    (None: 10 W per logical core). The estimate is labelled as one in summary.json."""
+    pue: float | None = Field(None, ge=1.0)
+    """Power usage effectiveness of the facility: facility energy = IT energy x PUE."""
+    carbon_g_per_kwh: float | None = Field(None, ge=0)
+    """The grid's carbon intensity (gCO2e per kWh): carbon = facility energy x intensity, and
+    CUE = PUE x intensity (needs pue)."""
+
+
+class HealthRule(_Section):
+    """One rule: `metric op value` on a device's (or the host's) reading, held for `for_s`
+    seconds, then `action`. With `relative_to`, value is an offset from that reading of the same
+    device (temperature_c >= slowdown_temperature_c - 5)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    metric: str
+    op: Literal[">=", ">", "<=", "<", "==", "!=", "any_of"] = ">="
+    value: float | list[int | str]
+    relative_to: Literal["slowdown_temperature_c", "shutdown_temperature_c", "power_limit_w"] | None = None
+    for_s: float = Field(0.0, ge=0)
+    action: Literal["alert", "power_cap", "isolate", "stop"] = "alert"
+    """alert: a warning in the run's log and summary, a Ray event, and health.webhook if set;
+    power_cap: lower the GPU's power limit by power_cap_w (restored when the run ends);
+    isolate: the job checkpoints, the node is drained from the gang scheduler and the job resumes
+    on healthy nodes (needs placement.gang; without it the job checkpoints and stops); stop: the
+    job checkpoints and stops with an error naming the rule."""
+    power_cap_w: float = Field(50.0, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> HealthRule:
+        known = DEVICE_METRICS + HOST_METRICS + LIST_METRICS
+        if self.metric not in known:
+            raise ValueError(f"health rule {self.name!r}: unknown metric {self.metric!r}; one of "
+                             f"{', '.join(known)}")
+        is_list = self.metric in LIST_METRICS
+        if is_list != (self.op == "any_of") or is_list != isinstance(self.value, list):
+            raise ValueError(f"health rule {self.name!r}: {', '.join(LIST_METRICS)} take op any_of with a "
+                             "list value (xid: [79, 48]); other metrics a comparison with a number")
+        if self.relative_to and self.metric in HOST_METRICS + LIST_METRICS:
+            raise ValueError(f"health rule {self.name!r}: relative_to applies to a GPU reading")
+        return self
+
+
+def _default_rules() -> list[HealthRule]:
+    return [
+        HealthRule(name="overheating", metric="temperature_c", value=-5.0,
+                   relative_to="slowdown_temperature_c", for_s=60, action="power_cap"),
+        HealthRule(name="uncorrectable-ecc", metric="ecc_uncorrected", op=">", value=0, action="isolate"),
+        HealthRule(name="remapping-failed", metric="remapped_rows_failure", op="==", value=1,
+                   action="isolate"),
+        # XID 48: double-bit ECC; 63/64: row-remapping events; 79: the GPU fell off the bus
+        HealthRule(name="critical-xid", metric="xid", op="any_of", value=[48, 63, 64, 79], action="isolate"),
+        HealthRule(name="hw-slowdown", metric="throttle", op="any_of", value=HW_SLOWDOWN, for_s=10,
+                   action="alert"),
+    ]
+
+
+class HealthSpec(_Section):
+    """Rules over the telemetry that act (see HealthRule), and a pre-flight check of the nodes
+    before the job's gang is granted."""
+
+    enabled: bool = True
+    rules: list[HealthRule] = Field(default_factory=_default_rules)
+    preflight: bool = True
+    """Before the job starts, read every candidate node once: a node that breaks a rule whose
+    action is isolate or stop is drained (gang) or named in a clear error."""
+    webhook: str | None = None
+    """An http(s) URL that receives each alert as a JSON POST."""
+
+    @field_validator("rules")
+    @classmethod
+    def _unique(cls, v: list[HealthRule]) -> list[HealthRule]:
+        names = [r.name for r in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"health.rules: names must be unique, got {names}")
+        return v
+
+
+class PowerSpec(_Section):
+    """GPU power limits (NVML; needs root). Every limit set is restored when the run ends."""
+
+    limit_w: float | None = Field(None, gt=0)
+    """Run every GPU of the job at this power limit."""
+    tune: bool = False
+    """Zeus-style: at the start of the run step the limit down from the maximum, measure time and
+    energy per step at each, and train on at the limit that minimises
+    eta * energy + (1 - eta) * max_power * time."""
+    sweep_w: list[float] | None = None
+    """Limits to try (None: from the maximum down to the minimum in steps of step_w)."""
+    step_w: float = Field(50.0, gt=0)
+    steps_per_limit: int = Field(3, ge=1)
+    eta: float = Field(0.5, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _one_way(self) -> PowerSpec:
+        if self.tune and self.limit_w is not None:
+            raise ValueError("power.limit_w and power.tune both set the limit; choose one")
+        return self
+
+
 class JobSpec(_Section):
     """A complete training job."""
 
@@ -604,6 +731,9 @@ class JobSpec(_Section):
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     run: RunSpec = Field(default_factory=RunSpec)
+    telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
+    health: HealthSpec = Field(default_factory=HealthSpec)
+    power: PowerSpec = Field(default_factory=PowerSpec)
 
     @field_validator("name")
     @classmethod

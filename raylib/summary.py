@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from raylib.telemetry.report import plot_timeline, telemetry_summary, utilisation_summary
+
 if TYPE_CHECKING:
     from raylib.train.history import RunHistory
 
@@ -57,10 +59,36 @@ class RunResult:
             mib = comm["bytes_per_step"] / 2**20
             rows.append(f"  {'gradients':<{width}}  {comm['method']}: {mib:.1f} MiB per step per rank{ratio}"
                         f", reduced in {comm['reduce_s_per_step']:.3f} s{share}")
+        util = self.summary.get("utilisation")
+        if util:
+            rows.append(f"  {'utilisation':<{width}}  {_utilisation_line(util)}")
+        tele = self.summary.get("telemetry")
+        if tele and tele.get("energy"):
+            rows.append(f"  {'energy':<{width}}  {_energy_line(tele['energy'])}")
+        if tele and tele["health"]["firings"]:
+            rows.append(f"  {'health':<{width}}  " + "; ".join(
+                f"{f['rule']} on {f['node'][:12]} {f['device']} -> {f['action']}"
+                for f in tele["health"]["firings"]))
         ckpt = self.summary.get("checkpoint")
         if ckpt:
             rows.append(f"  {'checkpoints':<{width}}  {_checkpoint_line(ckpt)}")
         return "\n".join([f"run {self.summary['name']}  ({self.run_dir})", *rows])
+
+
+def _utilisation_line(u: dict[str, Any]) -> str:
+    mfu = f"MFU {u['mfu']:.1%} of {u['peak_flops_per_device'] / 1e9:.0f} GFLOP/s per device" \
+        if u.get("mfu") else "MFU n/a"
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in u.get("breakdown", {}).items()
+                      if v >= 0.005)
+    return f"{mfu}; loop: {parts}" if parts else mfu
+
+
+def _energy_line(e: dict[str, Any]) -> str:
+    line = f"{e['energy_j'] / 1e3:.2f} kJ ({e['per_token_j'] * 1e3:.3g} mJ/token)" if e.get("per_token_j") \
+        else f"{e['energy_j'] / 1e3:.2f} kJ"
+    if e.get("carbon_g") is not None:
+        line += f", {e['carbon_g']:.2f} gCO2e"
+    return line + (" - estimate" if e["estimate"] else "")
 
 
 def _checkpoint_line(c: dict[str, Any]) -> str:
@@ -128,6 +156,8 @@ def summarize(spec, history: RunHistory, index, ds_config: dict[str, Any],
         "wall_s": wall_s,
         "data": data_summary(history.data_ranks, history.data_wait_s, loop_s),
         "checkpoint": history.checkpoint or None,
+        "utilisation": utilisation_summary(history, timed),
+        "telemetry": telemetry_summary(history, len(losses), len(losses) * batch * index.seq_len, spec),
         "eval": history.evals[-1] if history.evals else None,
         "evals": history.evals,
         "loss_curve": losses,
@@ -137,6 +167,8 @@ def summarize(spec, history: RunHistory, index, ds_config: dict[str, Any],
     if losses:
         plot_loss(losses, history.start_step, run_dir / "loss.png", title=spec.name,
                   task=spec.task.type, evals=history.evals)
+    if history.step_times and (history.utilisation or history.telemetry):
+        plot_timeline(history, run_dir / "timeline.png", title=spec.name)
     if history.data_timeline:
         plot_tiers(history.data_timeline, run_dir / "data_tiers.png", title=spec.name)
     return RunResult(summary=summary, run_dir=run_dir)

@@ -45,6 +45,7 @@ class GangSchedulerActor:
         self.groups: dict[str, Any] = {}  # job id -> placement group of its reservation
         self.status: dict[str, dict[str, Any]] = {}
         self.preempt_flags: set[str] = set()
+        self.drained: dict[str, str] = {}  # node -> reason (health.isolate): never planned on again
         self.lock = threading.RLock()
         self.t0 = time.monotonic()
         self._wake = threading.Event()
@@ -95,6 +96,31 @@ class GangSchedulerActor:
         telling it (until the next preemption)."""
         with self.lock:
             self.preempt_flags.discard(job_id)
+
+    def drain(self, ray_node_id: str, reason: str) -> list[str]:
+        """Keep a node out (a health rule isolated it): no gang is planned on it from now on, and
+        the jobs that hold it are told to checkpoint and stop, and are queued again to resume on
+        healthy nodes. Returns those jobs' ids."""
+        with self.lock:
+            node = next((n for n in self.topology.nodes
+                         if n.selector.get("ray.io/node-id", n.id) == ray_node_id), None)
+            if node is None or node.id in self.drained:
+                return []
+            self.drained[node.id] = reason
+            moved = []
+            for d in self.queue.node_down(node.id, self._now()):
+                self._remove_group(d.job.id)
+                self.status[d.job.id].update(state="queued", reason=f"re-planning: node drained ({reason})",
+                                             preemptions=self.status[d.job.id]["preemptions"] + 1)
+                self.preempt_flags.add(d.job.id)
+                moved.append(d.job.id)
+        self._wake.set()
+        return moved
+
+    def drained_nodes(self) -> dict[str, str]:
+        """Node -> why it was drained."""
+        with self.lock:
+            return dict(self.drained)
 
     def preempt_requested(self, job_id: str) -> bool:
         with self.lock:

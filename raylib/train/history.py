@@ -54,6 +54,15 @@ class RunHistory:
     run.verify, the frozen and trainable parameters' digests at the start and end of training."""
     planned_nodes: list[str] | None = None
     """Where the gang scheduler planned each rank (None without placement.gang)."""
+    breakdown: list[dict[str, float]] | None = None
+    """Per rank: seconds of the loop in compute, communication, optimizer, data_wait, checkpoint,
+    other, and loop_s (train.utilisation.StepParts)."""
+    telemetry: list[dict[str, Any] | None] | None = None
+    """Per rank (of every fit of the run): what its sampler saw (telemetry.rank.RankTelemetry.finish)."""
+    utilisation: dict[str, Any] | None = None
+    """Model FLOPs per step and the devices' peak (train.utilisation.Utilisation)."""
+    stopped_by: dict[str, Any] | None = None
+    """The health rule that stopped (code 2) or moved (code 1) the job, if one did."""
 
     @property
     def end_step(self) -> int:
@@ -70,4 +79,19 @@ class RunHistory:
             step_times=[x for p in parts for x in p.step_times],
             data_wait_s=sum(p.data_wait_s for p in parts),
             checkpoint_s=sum(p.checkpoint_s for p in parts),
-            loop_s=sum(p.loop_s for p in parts), evals=[e for p in parts for e in p.evals])
+            loop_s=sum(p.loop_s for p in parts), evals=[e for p in parts for e in p.evals],
+            breakdown=_sum_by_rank([p.breakdown for p in parts]),
+            telemetry=[t for p in parts for t in p.telemetry or []],
+            stopped_by=next((p.stopped_by for p in reversed(parts) if p.stopped_by), None))
+
+
+def _sum_by_rank(fits: list[list[dict[str, float]] | None]) -> list[dict[str, float]] | None:
+    fits = [f for f in fits if f]
+    if not fits:
+        return None
+    out = [dict(r) for r in fits[0]]
+    for fit in fits[1:]:
+        for mine, theirs in zip(out, fit, strict=False):  # a resize keeps the first ranks
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0.0) + v
+    return out

@@ -13,6 +13,7 @@ from typing import Any
 from raylib.train import checkpointing, ds_ops, grad_reduction
 from raylib.train.history import RunHistory
 from raylib.train.progress import worker_logs
+from raylib.train.utilisation import StepParts, Utilisation
 
 
 def worker_loop(config: dict[str, Any]) -> RunHistory | None:
@@ -94,11 +95,15 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     evals: list[dict[str, float]] = []
     first_batch = None
 
-    preempt_probe = _preempt_probe(config.get("gang"), rank, engine.device)
-    preempted = False
+    node = ray.get_runtime_context().get_node_id()
+    telemetry = _start_telemetry(spec, rank, ctx.get_local_rank(), node, on_gpu, config.get("gang"))
+    utilisation = Utilisation.of(engine.module, spec, index.seq_len, global_batch, on_gpu) \
+        if rank == 0 else None
+    probe_job = _job_probe(config.get("gang"), rank, engine.device, telemetry)
+    stop_code = 0
     losses: list[float] = []
     step_times: list[float] = []
-    data_wait = checkpoint_s = 0.0
+    parts = StepParts()
     loop_start = time.perf_counter()
     for step in range(start, spec.run.steps):
         t0 = time.perf_counter()
@@ -106,42 +111,54 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         for _ in range(accum):
             tw = time.perf_counter()
             batch = next(batches)
-            data_wait += time.perf_counter() - tw
+            parts.data_wait += time.perf_counter() - tw
             if first_batch is None and verify:
                 first_batch = {k: v.clone() for k, v in batch.items()}
-            loss = engine(**batch).loss
-            engine.backward(loss)
-            checkpointer.fence()
-            engine.step()
-            total += loss.item()
+            with parts.phase("compute"):
+                loss = engine(**batch).loss
+                engine.backward(loss)
+                total += loss.item()
+            with parts.phase("checkpoint"):
+                checkpointer.fence()
+            with parts.phase("optimizer"):
+                engine.step()
         step_times.append(time.perf_counter() - t0)
         losses.append(total / accum)
         reduction.step_done(step_times[-1])
 
         done = step + 1
+        if telemetry is not None:
+            telemetry.step_done(done, step_times[-1])
         metrics = {"step": done, "loss": losses[-1], "lr": engine.get_lr()[0],
                    "samples_per_s": global_batch / step_times[-1],
-                   "data_wait_fraction": data_wait / (time.perf_counter() - loop_start)}
+                   "data_wait_fraction": parts.data_wait / (time.perf_counter() - loop_start)}
+        if utilisation is not None:
+            metrics["mfu"] = utilisation.mfu(step_times[-1])
+            if telemetry is not None and telemetry.gauges is not None:
+                for k in ("mfu", "samples_per_s", "data_wait_fraction"):
+                    telemetry.gauges.set(k, metrics[k])
+                telemetry.gauges.set("step_time_s", step_times[-1])
         if evaluator and _eval_due(spec, done):
             te = time.perf_counter()
             metrics.update(evaluator(engine))
             evals.append({"step": done, **{k: v for k, v in metrics.items() if k.startswith("eval_")}})
             loop_start += time.perf_counter() - te  # evaluation is not training time
-        # a preempted job checkpoints here and stops; the driver waits for its gang again
-        preempted = preempt_probe is not None and done < spec.run.steps and \
-            done % spec.run.log_every == 0 and preempt_probe()
-        if preempted or _checkpoint_due(spec, done):
-            tc = time.perf_counter()
-            compression = reduction.state_dict()
-            checkpointer.save(engine, done, metrics, _client_state(pipeline, on_gpu, config.get("peft_base"),
-                                                                 layout.tp),
-                              rank_state={"compression": compression} if compression else None)
-            checkpoint_s += time.perf_counter() - tc
+        # a preempted job (or one a health rule isolated or stopped) checkpoints here and stops;
+        # the driver waits for its gang again (or reports the rule)
+        if probe_job is not None and done < spec.run.steps and done % spec.run.log_every == 0:
+            stop_code = probe_job()
+        if stop_code or _checkpoint_due(spec, done):
+            with parts.phase("checkpoint"):
+                compression = reduction.state_dict()
+                client = _client_state(pipeline, on_gpu, config.get("peft_base"), layout.tp)
+                checkpointer.save(engine, done, metrics, client,
+                                  rank_state={"compression": compression} if compression else None)
         elif done % spec.run.log_every == 0 or (evals and evals[-1]["step"] == done):
             ray.train.report(metrics)
-        if preempted:
+        if stop_code:
             break
     loop_s = time.perf_counter() - loop_start
+    preempted = stop_code == 1
     checkpointer.close()
     data_metrics = pipeline.metrics() if pipeline else None
     if pipeline:
@@ -153,7 +170,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         dist.all_reduce(curve)
         curve /= dist.get_world_size()
     ranks: list[tuple | None] = [None] * dist.get_world_size()
-    node = ray.get_runtime_context().get_node_id()
+    rank_telemetry = telemetry.finish() if telemetry is not None else None
     data_brief = {k: v for k, v in data_metrics.items() if k != "timeline"} if data_metrics else None
     digest = _parameter_digest(engine, spec.strategy.zero_stage) if verify else None
     shard = _shard_digest(engine) if verify and layout.tp > 1 else None
@@ -165,12 +182,12 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
             os.makedirs(os.path.join(config["run_dir"], "verify"), exist_ok=True)
             torch.save(probed, os.path.join(config["run_dir"], "verify", "probe.pt"))
     dist.all_gather_object(ranks, (digest, node, data_brief, _peak_memory(on_gpu), _own_elements(engine),
-                                  shard, reduction.metrics()))
+                                  shard, reduction.metrics(), parts.to_dict(loop_s), rank_telemetry))
     if rank != 0:
         return None
     return RunHistory(
         start_step=start, global_batch=global_batch, losses=curve.tolist(), step_times=step_times,
-        data_wait_s=data_wait, checkpoint_s=checkpoint_s, loop_s=loop_s,
+        data_wait_s=parts.data_wait, checkpoint_s=parts.seconds["checkpoint"], loop_s=loop_s,
         rank_nodes=[r[1] for r in ranks],
         param_digests=[r[0] for r in ranks] if verify else None, restored_param_digest=restored_digest,
         data_ranks=[r[2] for r in ranks] if data_metrics else None,
@@ -179,6 +196,9 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         peak_memory_bytes=[r[3] for r in ranks], param_elements=[r[4] for r in ranks],
         shard_digests=[r[5] for r in ranks] if verify and layout.tp > 1 else None, peft=peft,
         kernels=kernels, communication=_communication([r[6] for r in ranks]),
+        breakdown=[r[7] for r in ranks], telemetry=[r[8] for r in ranks],
+        utilisation=utilisation.to_dict() if utilisation else None,
+        stopped_by=_stopped_by(stop_code, [r[8] for r in ranks]),
     )
 
 
@@ -291,25 +311,59 @@ def _restore_rng(rng: dict[str, list[int]] | None, on_gpu: bool) -> None:
         torch.cuda.set_rng_state(torch.tensor(rng["cuda"], dtype=torch.uint8))
 
 
-def _preempt_probe(gang: dict[str, str] | None, rank: int, device):
-    """A collective check (all ranks call it at the same steps and get the same answer): has the
-    gang scheduler asked this job to give its accelerators back?"""
-    if gang is None:
+def _job_probe(gang: dict[str, str] | None, rank: int, device, telemetry):
+    """A collective check (all ranks call it at the same steps and get the same answer): must the
+    job stop? 0: no; 1: checkpoint, stop and resume when its gang is granted again (the gang
+    scheduler preempted it, or a health rule isolated a node it holds); 2: checkpoint and stop
+    (a health rule's `stop`, or `isolate` without a gang scheduler to move it)."""
+    if gang is None and (telemetry is None or not telemetry.spec.health.enabled):
         return None
     import ray
     import torch
     import torch.distributed as dist
 
-    actor = ray.get_actor(gang["actor"], namespace=gang["namespace"]) if rank == 0 else None
+    actor = ray.get_actor(gang["actor"], namespace=gang["namespace"]) if gang and rank == 0 else None
 
-    def probe() -> bool:
-        flag = torch.zeros(1, dtype=torch.int32, device=device)  # NCCL: on the GPU
+    def probe() -> int:
+        code = torch.zeros(1, dtype=torch.int32, device=device)  # NCCL: on the GPU
         if actor is not None:
-            flag[0] = int(ray.get(actor.preempt_requested.remote(gang["job_id"])))
-        dist.broadcast(flag, src=0)
-        return bool(flag.item())
+            code[0] = int(ray.get(actor.preempt_requested.remote(gang["job_id"])))
+        if telemetry is not None:
+            severity = telemetry.severity()
+            code[0] = max(int(code[0]), 2 if severity == 1 and gang is None else severity)
+        dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        return int(code.item())
 
     return probe
+
+
+def _start_telemetry(spec, rank: int, local_rank: int, node: str, on_gpu: bool, gang):
+    """This rank's sampler, health rules and power limits (None: telemetry and power are off)."""
+    if not (spec.telemetry.enabled or spec.power.limit_w or spec.power.tune):
+        return None
+    from raylib.telemetry.rank import RankTelemetry
+
+    def all_reduce(values: list[float], op: str) -> list[float]:  # power.tune's joint pick
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return t.tolist()
+
+    return RankTelemetry(spec, rank=rank, local_rank=local_rank, node=node, on_gpu=on_gpu,
+                         gang=gang).start(all_reduce=all_reduce)
+
+
+def _stopped_by(code: int, ranks: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Why the job stopped early, when a health rule made it (the first firing that acts)."""
+    if not code:
+        return None
+    for r in ranks:
+        for f in (r or {}).get("firings", []):
+            if f["action"] in ("isolate", "stop"):
+                return {"code": code, **f}
+    return None
 
 
 def _eval_due(spec, done: int) -> bool:

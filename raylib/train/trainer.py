@@ -27,6 +27,11 @@ class RunFailed(RuntimeError):
     """A run that failed more often than run.max_failures allows; says where it can resume."""
 
 
+class HealthStopped(RuntimeError):
+    """A health rule stopped the run (action stop, or isolate with no gang scheduler to move it);
+    it checkpointed first."""
+
+
 def run(spec: JobSpec, address: str | None = None, progress: bool = True,
         callbacks: list | None = None) -> RunResult:
     """Run `spec` to completion (resuming its latest checkpoint if the run exists).
@@ -102,6 +107,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
         "peft_base": peft_base,
     }
     job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
+    _check_node_health(spec, on_gpu)  # health.preflight: a bad node is drained (gang) or named
     parts: list[RunHistory] = []
     with ProgressBar(spec.run.steps, enabled=progress) as bar:
         while True:  # once, or again after each preemption (resuming from its checkpoint)
@@ -152,12 +158,18 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
             part: RunHistory = result.return_value
             if reservation and not part.preempted:
                 reservation.release()
+            if part.stopped_by and part.stopped_by["code"] == 2:  # summarised, then the error
+                stopped = summarize(spec, RunHistory.merge([*parts, part]), index, ds_config, None,
+                                    wall_s=time.perf_counter() - wall0, run_dir=run_dir)
+                _raise_health_stopped(spec, part, stopped)
             part.planned_nodes = reservation.plan.rank_node if reservation else None
             parts.append(part)
             if not part.preempted:
                 break
-            log.warning("run %r was preempted at step %d (checkpointed); waiting for its gang again",
-                        spec.name, part.end_step)
+            why = f"health rule {part.stopped_by['rule']!r} isolated node {part.stopped_by['node'][:12]}" \
+                if part.stopped_by else "preempted"
+            log.warning("run %r stopped at step %d (%s; checkpointed); waiting for its gang again",
+                        spec.name, part.end_step, why)
     history = RunHistory.merge(parts)
     checkpoint_uri = result.checkpoint.path if result.checkpoint else None
     return summarize(spec, history, index, ds_config, checkpoint_uri,
@@ -167,12 +179,59 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
 # Object-store credentials and endpoint reach the workers from the driver's environment only
 # (never from files or the spec), through Ray's runtime_env.
 _STORAGE_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
-                "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE")
+                "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE",
+                "RAYLIB_FAKE_NVML")  # tests: the scripted NVML stand-in (raylib.testing.fake_nvml)
 
 
 def _worker_env() -> dict[str, Any] | None:
     env = {k: os.environ[k] for k in _STORAGE_ENV if os.environ.get(k)}
     return {"env_vars": env} if env else None
+
+
+def _check_node_health(spec: JobSpec, on_gpu: bool) -> None:
+    """health.preflight before the gang is granted: nodes that break an isolate/stop rule are
+    drained from the gang scheduler (the job is placed around them) or, without one, named in an
+    error before anything is reserved."""
+    from raylib.telemetry.health import check_nodes
+
+    resource = "GPU" if on_gpu else "CPU"
+    bad = check_nodes(spec, resource, runtime_env=_worker_env())
+    if not bad:
+        return
+    lines = [f"node {n[:12]}: " + "; ".join(
+        f"{f['rule']} ({f['device']} {f['metric']}={f['reading']}, threshold {f['threshold']})" for f in fs)
+        for n, fs in bad.items()]
+    if not spec.placement.gang:
+        raise HealthStopped(f"run {spec.name!r}: health.preflight found unhealthy node(s): "
+                            f"{' | '.join(lines)}. "
+                            "Repair or remove them, or set placement.gang: true to place the job around them "
+                            "(health.preflight: false skips this check)")
+    from raylib.placement import gang
+
+    actor = gang.scheduler(resource=resource)
+    for n, fs in bad.items():
+        ray_get(actor.drain.remote(n, f"health.preflight: {fs[0]['rule']}"))
+    log.warning("health.preflight drained %d node(s) before placing %r: %s", len(bad), spec.name,
+                " | ".join(lines))
+
+
+def ray_get(ref):
+    import ray
+
+    return ray.get(ref)
+
+
+def _raise_health_stopped(spec: JobSpec, part: RunHistory, stopped: RunResult) -> None:
+    f = part.stopped_by
+    hint = "" if spec.placement.gang else (" With placement.gang: true an isolated node is drained and "
+                                           "the job resumes on healthy nodes.")
+    error = HealthStopped(
+        f"run {spec.name!r} was stopped at step {part.end_step} by health rule {f['rule']!r} "
+        f"({f['action']}): node {f['node'][:12]} {f['device']} read {f['metric']}={f['reading']} "
+        f"(threshold {f['threshold']}). It checkpointed first; running the same job again resumes from "
+        f"step {part.end_step}; {stopped.run_dir / 'summary.json'} has what the run saw.{hint}")
+    error.result = stopped
+    raise error
 
 
 def _reserve(spec: JobSpec, on_gpu: bool, job_id: str):

@@ -1,0 +1,116 @@
+"""A run's telemetry in summary.json and on a timeline plot: MFU and the time breakdown, energy,
+what the devices read, what the health rules did, and the power limits."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from raylib.telemetry.energy import run_energy
+from raylib.train.utilisation import PARTS, fractions
+
+
+def utilisation_summary(history, timed: list[float]) -> dict[str, Any] | None:
+    u = history.utilisation
+    if not u and not history.breakdown:
+        return None
+    out: dict[str, Any] = {}
+    if u:
+        step_s = sum(timed) / len(timed) if timed else None
+        out.update(
+            mfu=u["flops_per_step"] / step_s / (u["peak_per_device"] * u["devices"]) if step_s else None,
+            model_flops_per_step=u["flops_per_step"], model_flops_per_token=u["flops_per_token"],
+            peak_flops_per_device=u["peak_per_device"], peak_source=u["peak_source"], devices=u["devices"],
+            trainable_fraction=u["trainable_fraction"])
+    if history.breakdown:
+        r0 = history.breakdown[0]
+        out["breakdown_s"] = {k: r0[k] for k in (*PARTS, "loop_s")}
+        out["breakdown"] = fractions(r0)  # rank 0's loop; every rank's seconds in breakdown_ranks
+        out["breakdown_ranks"] = history.breakdown
+    return out
+
+
+def telemetry_summary(history, steps: int, tokens: int, spec) -> dict[str, Any] | None:
+    ranks = [r for r in history.telemetry or [] if r]
+    if not ranks:
+        return None
+    devices = {}
+    for r in ranks:
+        for s in r["series"]:
+            for d in s["devices"]:
+                devices.setdefault((r["node"], d["index"]), []).append(d)
+    per_device = []
+    for (node, index), rows in sorted(devices.items()):
+        def stat(k, f=statistics.mean, rows=rows):
+            vals = [x[k] for x in rows if x.get(k) is not None]
+            return f(vals) if vals else None
+        per_device.append({"node": node[:12], "device": f"gpu{index}",
+                           "utilization_pct_mean": stat("utilization_pct"),
+                           "temperature_c_max": stat("temperature_c", max), "power_w_mean": stat("power_w"),
+                           "sm_clock_mhz_mean": stat("sm_clock_mhz"),
+                           "throttled_samples": sum(1 for x in rows if x.get("throttle_reasons"))})
+    cpu = [s["cpu_pct"] for r in ranks for s in r["series"] if s.get("cpu_pct") is not None]
+    firings = [f for r in ranks for f in r["firings"]]
+    changes = [{"rank": r["rank"], **c} for r in ranks for c in r["power"]["changes"]]
+    tune = next((r["power"]["tune"] for r in ranks if r["power"]["tune"]), None)
+    return {
+        "energy": run_energy([r["energy"] for r in ranks], steps, tokens, spec.telemetry),
+        "devices": per_device,
+        "cpu_pct_mean": statistics.mean(cpu) if cpu else None,
+        "host": ranks[0]["backend"],
+        "sampler": {"interval_s": spec.telemetry.interval_s,
+                    "reads": sum(r["overhead"]["reads"] for r in ranks),
+                    "read_s_mean": statistics.mean(r["overhead"]["read_s_mean"] for r in ranks)},
+        "health": {"firings": firings, "stopped_by": history.stopped_by},
+        "power": {"changes": changes, "tune": tune,
+                  "skipped": next((r["power"]["skipped"] for r in ranks if r["power"]["skipped"]), None)},
+    }
+
+
+def plot_timeline(history, path: Path, title: str) -> None:
+    """Step time and MFU per step, where the loop's time went, and rank 0's devices over time."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rank0 = next((r for r in history.telemetry or [] if r and r["rank"] == 0), None)
+    fig = Figure(figsize=(8, 8))
+    FigureCanvasAgg(fig)
+    steps_ax, parts_ax, dev_ax = fig.subplots(3, 1)
+    x = range(history.start_step + 1, history.start_step + len(history.step_times) + 1)
+    steps_ax.plot(x, history.step_times, label="step time (s)")
+    steps_ax.set(xlabel="optimizer step", ylabel="seconds", title=f"{title}: utilisation")
+    u = history.utilisation
+    if u:
+        mfu_ax = steps_ax.twinx()
+        peak = u["peak_per_device"] * u["devices"]
+        mfu_ax.plot(x, [100 * u["flops_per_step"] / t / peak for t in history.step_times], color="C1",
+                    label="MFU")
+        mfu_ax.set(ylabel="MFU %")
+        mfu_ax.legend(loc="upper right", fontsize=8)
+    steps_ax.legend(loc="upper left", fontsize=8)
+    if history.breakdown:
+        f = fractions(history.breakdown[0])
+        left = 0.0
+        for i, k in enumerate(PARTS):
+            parts_ax.barh([0], [100 * f[k]], left=[left], color=f"C{i}", label=f"{k} {f[k]:.0%}")
+            left += 100 * f[k]
+        parts_ax.set(xlim=(0, 100), yticks=[], xlabel="% of rank 0's training loop")
+        parts_ax.legend(ncol=3, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    if rank0:
+        t = [s["t"] for s in rank0["series"]]
+        n_dev = max((len(s["devices"]) for s in rank0["series"]), default=0)
+        for i in range(n_dev):
+            for k, style in (("utilization_pct", "-"), ("temperature_c", "--"), ("power_w", ":")):
+                dev_ax.plot(t, [s["devices"][i].get(k) if len(s["devices"]) > i else None
+                                for s in rank0["series"]],
+                            style, label=f"gpu{rank0['series'][0]['devices'][i]['index']} {k}")
+        dev_ax.plot(t, [s["cpu_pct"] for s in rank0["series"]], label="worker CPU %")
+        for f in rank0["firings"]:
+            dev_ax.axvline(f["t"], color="red", alpha=0.5)  # a health rule fired
+        dev_ax.set(xlabel="seconds since training started (rank 0)", ylabel="reading")
+        dev_ax.legend(fontsize=7, loc="upper left")
+    for ax in (steps_ax, dev_ax):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

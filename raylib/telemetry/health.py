@@ -173,8 +173,9 @@ def check_nodes(spec, resource: str, runtime_env: dict | None = None) -> dict[st
     host_rules = any(r.metric in HOST_METRICS for r in rules)
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get(resource, 0) > 0
              and (host_rules or n["Resources"].get("GPU", 0) > 0)]
-    task = ray.remote(_read_node).options(num_cpus=0, max_retries=0, runtime_env=runtime_env)
-    refs = {n: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(
+    task = ray.remote(_read_node)
+    refs = {n: task.options(num_cpus=0, max_retries=0, runtime_env=runtime_env,
+                            scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(
         [r.model_dump() for r in rules], n) for n in nodes}
     bad = {}
     for n, ref in refs.items():

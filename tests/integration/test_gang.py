@@ -217,16 +217,97 @@ def wait_train_workers(n: int, deadline_s=300) -> None:
     raise AssertionError(f"Ray Train never reserved its {n} workers")
 
 
-def wait_job(actor, where, deadline_s=300):
+def wait_job(actor, where, deadline_s=300, unless=None):
+    """The first job id `where` accepts; `unless`: a future whose failure ends the wait with it."""
     import ray
 
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
+        if unless is not None and unless.done():
+            unless.result()  # raises what the run raised
         for job_id, st in ray.get(actor.jobs.remote()).items():
             if where(job_id, st):
                 return job_id
         time.sleep(0.05)
     raise AssertionError(f"no job matched: {ray.get(actor.jobs.remote())}")
+
+
+def write_script(path, nodes: dict) -> None:
+    """The fake NVML's readings per node (raylib.testing.fake_nvml), replaced atomically: the
+    workers' samplers re-read it, so a healthy GPU can turn bad mid-run."""
+    import json
+    import os
+
+    healthy = {"name": "NVIDIA H100 80GB HBM3", "temperature_c": 50, "slowdown_temperature_c": 90,
+               "shutdown_temperature_c": 95, "power_w": 300, "power_limit_w": 700, "utilization_pct": 90,
+               "ecc_uncorrected": 0, "xid": []}
+    script = {"nodes": {"*": {"devices": [healthy, {**healthy, "uuid": "GPU-1"}]},
+                        **{n: {"devices": [{**healthy, **bad}, {**healthy, "uuid": "GPU-1"}]}
+                           for n, bad in nodes.items()}}}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(script, f)
+    os.replace(tmp, path)
+
+
+def test_unhealthy_nodes_are_drained_and_the_run_resumes_on_healthy_ones(
+        labelled_cluster, tiny_dataset, tmp_path, monkeypatch):
+    """Health rules that act, on a real multi-raylet cluster; NVML is faked (no GPU here: scripted
+    readings per node, raylib.testing.fake_nvml). One node reports an uncorrectable ECC error
+    before the job starts: the pre-flight check drains it and the gang is placed elsewhere. Once
+    the gang is granted, the node it got reports XID 79 (GPU fell off the bus): the rule isolates
+    it, the job checkpoints, is re-planned onto a healthy node and finishes every step there; the
+    drained nodes receive no new gang."""
+    import ray
+
+    from raylib import JobSpec
+    from raylib.placement.gang import reserve, scheduler
+    from raylib.placement.planner import Parallelism
+    from raylib.train.trainer import run
+
+    _, nodes = labelled_cluster
+    script = tmp_path / "nvml.json"
+    preflight_bad = nodes[0].node_id
+    write_script(script, {preflight_bad: {"ecc_uncorrected": 2}})
+    monkeypatch.setenv("RAYLIB_FAKE_NVML", str(script))  # reaches the workers through their runtime env
+    spec = JobSpec.from_dict({
+        "name": "healthy-run",
+        "model": {"preset": "bert-tiny", "overrides": {"num_hidden_layers": 1}},
+        "data": {"path": tiny_dataset, "manifest": None,
+                 "tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "64KB"}]},
+        "strategy": {"zero_stage": 1, "micro_batch_size": 8},
+        "scaling": {"num_workers": 2, "use_gpu": False},
+        "placement": {"gang": True, "timeout_s": 300},
+        "telemetry": {"interval_s": 0.2, "export_metrics": False},
+        "run": {"steps": 12, "log_every": 2, "output_dir": str(tmp_path), "verify": True},
+    })
+    gang = scheduler(resource="CPU")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            training = pool.submit(run, spec, progress=False)
+            job = wait_job(gang, lambda j, st: j.startswith("healthy-run-") and st["state"] == "ready",
+                           unless=training)
+            first = ray.get(gang.poll.remote(job))["plan"]["rank_node"][0]
+            assert first != preflight_bad, "the pre-flight check kept the bad node out"
+            write_script(script, {preflight_bad: {"ecc_uncorrected": 2}, first: {"xid": [79]}})
+            s = training.result(timeout=600).summary
+        drained = ray.get(gang.drained_nodes.remote())
+        later = reserve("after-drain", Parallelism(dp=8), actor=gang, timeout_s=120)  # every healthy CPU
+        later.release()
+    finally:
+        ray.get(gang.shutdown.remote())
+        ray.kill(gang)  # its drained set goes with it: the next tests get every node back
+
+    assert set(drained) == {preflight_bad, first}
+    assert "uncorrectable-ecc" in drained[preflight_bad] and "critical-xid" in drained[first]
+    # nothing lost: every step trained, resumed once from the isolation checkpoint, replicas agree
+    assert s["steps"] == 12 and len(s["loss_curve"]) == 12 and s["preemptions"] == 1
+    assert s["param_digests_agree"]
+    assert not {preflight_bad, first} & set(s["rank_nodes"])
+    firings = s["telemetry"]["health"]["firings"]
+    assert any(f["rule"] == "critical-xid" and f["node"] == first and f["reading"] == [79]
+               and "drained" in f["done"] for f in firings), firings
+    assert not {preflight_bad, first} & set(later.plan.rank_node)
 
 
 def test_node_death_replans_the_reservation(gang, labelled_cluster):

@@ -64,6 +64,8 @@ def telemetry_summary(history, steps: int, tokens: int, spec) -> dict[str, Any] 
                     "read_s_mean": statistics.mean(r["overhead"]["read_s_mean"] for r in ranks)},
         "health": {"firings": firings, "stopped_by": history.stopped_by},
         "power": {"changes": changes, "tune": tune,
+                  "restored": [r["power"]["limits_after_restore"] for r in ranks
+                               if r["power"]["limits_after_restore"]],
                   "skipped": next((r["power"]["skipped"] for r in ranks if r["power"]["skipped"]), None)},
     }
 

@@ -187,6 +187,8 @@ def postfix(m: dict[str, Any]) -> str:
     parts = [f"loss {m['loss']:.3f}"]
     if m.get("samples_per_s") is not None:
         parts.append(f"{m['samples_per_s']:.0f} samples/s")
+    if m.get("mfu") is not None:
+        parts.append(f"MFU {m['mfu']:.0%}")
     if m.get("data_wait_fraction") is not None:
         parts.append(f"data wait {m['data_wait_fraction']:.0%}")
     return ", ".join(parts)

@@ -232,7 +232,7 @@ def wait_job(actor, where, deadline_s=300, unless=None):
     raise AssertionError(f"no job matched: {ray.get(actor.jobs.remote())}")
 
 
-def write_script(path, nodes: dict) -> None:
+def write_script(path, nodes: dict, every_device: bool = False) -> None:
     """The fake NVML's readings per node (raylib.testing.fake_nvml), replaced atomically: the
     workers' samplers re-read it, so a healthy GPU can turn bad mid-run."""
     import json
@@ -240,9 +240,11 @@ def write_script(path, nodes: dict) -> None:
 
     healthy = {"name": "NVIDIA H100 80GB HBM3", "temperature_c": 50, "slowdown_temperature_c": 90,
                "shutdown_temperature_c": 95, "power_w": 300, "power_limit_w": 700, "utilization_pct": 90,
+               "min_power_limit_w": 100, "max_power_limit_w": 700, "default_power_limit_w": 700,
                "ecc_uncorrected": 0, "xid": []}
     script = {"nodes": {"*": {"devices": [healthy, {**healthy, "uuid": "GPU-1"}]},
-                        **{n: {"devices": [{**healthy, **bad}, {**healthy, "uuid": "GPU-1"}]}
+                        **{n: {"devices": [{**healthy, **bad},
+                                           {**healthy, **(bad if every_device else {}), "uuid": "GPU-1"}]}
                            for n, bad in nodes.items()}}}
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:

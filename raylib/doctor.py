@@ -6,8 +6,8 @@ machine), WARN (works, but probably not what you want) or FAIL (a run would fail
 
 Checks: installed versions (ray, torch, deepspeed) against the pins; the Ray cluster (reachable,
 token auth, same Ray version); GPUs through NVML (pynvml, imported lazily); S3 credentials and the
-configured endpoint; free space and write access on tier directories; topology labels on the
-cluster's GPU nodes (leaf/rack, spine, nvlink-islands: what topology-aware placement reads).
+configured endpoint; free space and write access on tier directories; what telemetry each node
+gives (NVML fields per GPU, RAPL); topology labels on the cluster's GPU nodes (leaf/rack, spine, nvlink-islands: what topology-aware placement reads).
 """
 
 from __future__ import annotations
@@ -222,6 +222,33 @@ def check_gpus(nvml: Any = None, torch_cuda: Callable[[], bool] | None = None) -
     return Check("gpus", OK, desc)
 
 
+def check_telemetry(nodes: dict[str, dict[str, Any]] | None = None) -> Check:
+    """What telemetry raylib's sampler gets: per node (`nodes`, from
+    raylib.telemetry.health.node_telemetry on a connected cluster) or on this machine, the NVML
+    fields each GPU gives or lacks (energy counters, remapped rows, XID events differ by GPU
+    generation and driver) and whether the host exposes RAPL energy."""
+    if nodes is None:
+        from raylib.telemetry.health import _node_telemetry
+
+        nodes = {"this machine": _node_telemetry()}
+    lines, lacking = [], []
+    for node, t in nodes.items():
+        gpus = t["gpus"]
+        if gpus:
+            kinds = sorted({c["name"] for c in gpus.values()})
+            missing = sorted({f for c in gpus.values() for f in c["lacks"]})
+            lines.append(f"{node[:12]}: {len(gpus)} GPU(s) {', '.join(kinds)}"
+                         + (f", lacking {', '.join(missing)}" if missing else ", every field"))
+            lacking += [f for f in missing if f in ("energy_j", "power_w", "temperature_c", "xid")]
+        else:
+            lines.append(f"{node[:12]}: no GPU; {t['host']}")
+    detail = " | ".join(lines)
+    if lacking:
+        return Check("telemetry", WARN, detail, "energy from power samples, health rules on missing "
+                     "readings never fire: check the driver version and `nvidia-smi -q`")
+    return Check("telemetry", NOTE if all(not t["gpus"] for t in nodes.values()) else OK, detail)
+
+
 def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -310,6 +337,7 @@ def run_checks(address: str | None = None, tier_dirs: Iterable[str] = (),
     ray_check, conn = check_ray(address)
     checks.append(ray_check)
     checks.append(check_gpus())
+    checks.append(check_telemetry(_nodes_telemetry()))
     checks.append(check_s3_credentials())
     checks.append(check_s3_endpoint(s3_endpoint()))
     for d in list(tier_dirs) or ["."]:
@@ -323,6 +351,21 @@ def run_checks(address: str | None = None, tier_dirs: Iterable[str] = (),
     else:
         checks.append(Check("topology", NOTE, "no cluster to read node labels from"))
     return checks
+
+
+def _nodes_telemetry() -> dict[str, dict[str, Any]] | None:
+    """Per node when this process is a driver of a cluster (a notebook, `raylib doctor` inside a
+    Ray job); else None: this machine only."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            from raylib.telemetry.health import node_telemetry
+
+            return node_telemetry()
+    except Exception:  # a cluster that cannot run the probe: this machine's view still helps
+        return None
+    return None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -347,4 +390,4 @@ def main(args: argparse.Namespace) -> int:
 
 __all__ = ["Check", "OK", "NOTE", "WARN", "FAIL", "run_checks", "check_versions", "check_ray",
            "check_gpus", "check_s3_credentials", "check_s3_endpoint", "check_tier_dir",
-           "check_topology_labels"]
+           "check_topology_labels", "check_telemetry"]

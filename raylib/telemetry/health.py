@@ -183,3 +183,25 @@ def check_nodes(spec, resource: str, runtime_env: dict | None = None) -> dict[st
         if firings:
             bad[n] = firings
     return bad
+
+
+def _node_telemetry() -> dict[str, Any]:
+    from raylib.telemetry.host import HostBackend
+    from raylib.telemetry.nvml import capabilities, load
+
+    nvml = load()
+    gpus = capabilities(nvml) if nvml is not None and nvml.nvmlDeviceGetCount() else {}
+    return {"gpus": {str(i): c for i, c in gpus.items()}, "host": HostBackend().describe()}
+
+
+def node_telemetry(runtime_env: dict | None = None) -> dict[str, dict[str, Any]]:
+    """What telemetry each live node of the connected cluster can give (a task pinned to each):
+    per GPU the NVML fields it gives and lacks, and whether the host has RAPL. `raylib doctor`."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(_node_telemetry)
+    refs = {n["NodeID"]: task.options(num_cpus=0, max_retries=0, runtime_env=runtime_env,
+                                      scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+            .remote() for n in ray.nodes() if n.get("Alive")}
+    return {n: ray.get(ref, timeout=120) for n, ref in refs.items()}

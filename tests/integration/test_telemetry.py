@@ -127,10 +127,24 @@ def test_health_power_cap_and_stop_then_resume(tiny_dataset, tmp_path, ray_local
     assert r["start_step"] == 2 and r["steps"] == 8 and len(r["loss_curve"]) == 6
 
 
-def test_gauges_reach_rays_metrics_endpoint(ray_local):
+def test_gauges_reach_rays_metrics_endpoint_and_doctor_reads_every_node(ray_local, tmp_path):
     """raylib's gauges, set in a Ray worker process, are served by the node's metrics agent in
-    Prometheus format (what the dashboard's Prometheus and Grafana scrape)."""
+    Prometheus format (what the dashboard's Prometheus and Grafana scrape). `raylib doctor` run
+    from a driver asks every node what telemetry it gives."""
     import ray
+
+    from raylib.doctor import OK, check_telemetry
+    from raylib.telemetry.health import node_telemetry
+
+    script = tmp_path / "nvml.json"
+    write_script(script, {"*": {"unsupported": ["energy_j"]}}, every_device=True)  # an older GPU
+    nodes = node_telemetry(runtime_env={"env_vars": {"RAYLIB_FAKE_NVML": str(script)}})
+    assert set(nodes) == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    (report,) = nodes.values()
+    assert len(report["gpus"]) == 2 and all("energy_j" in g["lacks"] for g in report["gpus"].values())
+    assert "temperature_c" in report["gpus"]["0"]["gives"]
+    check = check_telemetry(nodes)
+    assert check.status != OK and "lacking" in check.detail and "energy_j" in check.detail
 
     @ray.remote(num_cpus=0)
     class Worker:

@@ -7,7 +7,8 @@ machine), WARN (works, but probably not what you want) or FAIL (a run would fail
 Checks: installed versions (ray, torch, deepspeed) against the pins; the Ray cluster (reachable,
 token auth, same Ray version); GPUs through NVML (pynvml, imported lazily); S3 credentials and the
 configured endpoint; free space and write access on tier directories; what telemetry each node
-gives (NVML fields per GPU, RAPL); topology labels on the cluster's GPU nodes (leaf/rack, spine, nvlink-islands: what topology-aware placement reads).
+gives (NVML fields per GPU, RAPL); topology labels on the cluster's GPU nodes (leaf/rack, spine,
+nvlink-islands: what topology-aware placement reads).
 """
 
 from __future__ import annotations

@@ -201,7 +201,8 @@ def node_telemetry(runtime_env: dict | None = None) -> dict[str, dict[str, Any]]
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task = ray.remote(_node_telemetry)
-    refs = {n["NodeID"]: task.options(num_cpus=0, max_retries=0, runtime_env=runtime_env,
-                                      scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-            .remote() for n in ray.nodes() if n.get("Alive")}
+    refs = {n["NodeID"]: task.options(
+        num_cpus=0, max_retries=0, runtime_env=runtime_env,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+        for n in ray.nodes() if n.get("Alive")}
     return {n: ray.get(ref, timeout=120) for n, ref in refs.items()}

@@ -22,6 +22,15 @@ def machine_id() -> str:
     return os.uname().nodename
 
 
+def _wall_s(ranks: list[dict[str, Any]]) -> float:
+    """The run's sampled time: the fits of a resumed run one after another, the ranks of a fit
+    side by side."""
+    fits: dict[Any, float] = {}
+    for r in ranks:
+        fits[r.get("fit")] = max(fits.get(r.get("fit"), 0.0), r["duration_s"])
+    return sum(fits.values())
+
+
 def run_energy(ranks: list[dict[str, Any]], steps: int, tokens: int, telemetry) -> dict[str, Any] | None:
     """ranks: each rank's `Sampler.energy()` record. telemetry: spec.TelemetrySpec."""
     ranks = [r for r in ranks if r]
@@ -33,10 +42,12 @@ def run_energy(ranks: list[dict[str, Any]], steps: int, tokens: int, telemetry) 
         sources = sorted({r["gpu_source"] for r in gpu})
         source, estimate = f"measured: GPU {' + '.join(sources)} ({len(gpu)} rank(s))", False
     else:
-        rapl = {r["machine"]: r["rapl_j"] for r in ranks if r.get("rapl_j") is not None}
+        # RAPL is the host's: once per machine and fit (a resumed run's fits add up)
+        rapl = {(r["machine"], r.get("fit")): r["rapl_j"] for r in ranks if r.get("rapl_j") is not None}
         if rapl:
             joules = sum(rapl.values())
-            source, estimate = (f"measured: RAPL package energy of {len(rapl)} host(s) (every process "
+            hosts = len({m for m, _ in rapl})
+            source, estimate = (f"measured: RAPL package energy of {hosts} host(s) (every process "
                                 "on them, not only this run's)"), False
         else:
             cores = os.cpu_count() or 1
@@ -49,7 +60,7 @@ def run_energy(ranks: list[dict[str, Any]], steps: int, tokens: int, telemetry) 
     out: dict[str, Any] = {
         "energy_j": joules, "kwh": joules / J_PER_KWH, "source": source, "estimate": estimate,
         "per_step_j": joules / steps, "per_token_j": joules / tokens if tokens else None,
-        "mean_power_w": joules / longest if (longest := max(r["duration_s"] for r in ranks)) > 0 else None,
+        "mean_power_w": joules / wall if (wall := _wall_s(ranks)) > 0 else None,
     }
     facility = joules
     if telemetry.pue is not None:

@@ -16,6 +16,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from raylib.spec import HOST_METRICS
+
 log = logging.getLogger(__name__)
 
 _OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt,
@@ -89,7 +91,10 @@ class HealthMonitor:
             targets.append(("host", sample["host"]))
         out = []
         for rule in self.rules:
+            on_host = rule.metric in HOST_METRICS  # energy_j is a GPU's and the host's: rules mean the GPU's
             for device, reading in targets:
+                if (device == "host") != on_host:
+                    continue
                 key = (rule.name, device)
                 ok, value, threshold = holds(rule, reading)
                 if not ok:
@@ -152,9 +157,11 @@ def _read_node(rules_json: list[dict[str, Any]], node: str) -> list[dict[str, An
 
     sample: dict[str, Any] = {"host": HostBackend().read().to_dict()}
     nvml = load()
-    if nvml is not None and nvml.nvmlDeviceGetCount():
-        with NvmlBackend(nvml) as gpu:
-            sample["devices"] = [d.to_dict() for d in gpu.read()]
+    if nvml is not None:
+        if nvml.nvmlDeviceGetCount():
+            with NvmlBackend(nvml) as gpu:
+                sample["devices"] = [d.to_dict() for d in gpu.read()]
+        nvml.nvmlShutdown()  # load()'s own init (the backend closed its own)
     return [f.to_dict() for f in preflight([HealthRule(**r) for r in rules_json], sample, node)]
 
 
@@ -191,6 +198,8 @@ def _node_telemetry() -> dict[str, Any]:
 
     nvml = load()
     gpus = capabilities(nvml) if nvml is not None and nvml.nvmlDeviceGetCount() else {}
+    if nvml is not None:
+        nvml.nvmlShutdown()  # load()'s own init
     return {"gpus": {str(i): c for i, c in gpus.items()}, "host": HostBackend().describe()}
 
 

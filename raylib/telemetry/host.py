@@ -38,6 +38,7 @@ class HostBackend:
 
     def __init__(self, powercap: Path = POWERCAP):
         self.cores = os.cpu_count() or 1
+        self.root = powercap
         self.rapl = _rapl_domains(powercap)
         self._last = (time.monotonic(), _process_cpu_s(), _host_cpu())
         self._energy_last = {d: _read_int(d / "energy_uj") for d in self.rapl}
@@ -49,8 +50,8 @@ class HostBackend:
 
     def describe(self) -> str:
         if self.rapl:
-            return f"RAPL package energy from {len(self.rapl)} domain(s) under {POWERCAP}"
-        return f"no RAPL ({POWERCAP} is absent or unreadable): CPU energy is estimated from CPU time"
+            return f"RAPL package energy from {len(self.rapl)} domain(s) under {self.root}"
+        return f"no RAPL ({self.root} is absent or unreadable): CPU energy is estimated from CPU time"
 
     def read(self) -> HostReading:
         now, cpu_s, host = time.monotonic(), _process_cpu_s(), _host_cpu()

@@ -50,6 +50,9 @@ class RankTelemetry:
 
             nvml = load()
             indices = rank_devices(nvml, on_gpu, local_rank)
+            if nvml is not None:
+                # the backend holds its own NVML init; load()'s is given back now
+                self._release = nvml.nvmlShutdown
             if indices:
                 from raylib.telemetry.power import PowerControl
 
@@ -68,6 +71,8 @@ class RankTelemetry:
         if monitor is not None:  # firings on the samples' clock (seconds since the sampler started)
             monitor.clock = lambda: time.monotonic() - self.sampler.t0
         self.power_skipped = None
+        if getattr(self, "_release", None) is not None:
+            self._release()
 
     # -- lifecycle --------------------------------------------------------------------------------
 

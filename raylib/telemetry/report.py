@@ -101,12 +101,11 @@ def plot_timeline(history, path: Path, title: str) -> None:
         parts_ax.legend(ncol=3, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35))
     if rank0:
         t = [s["t"] for s in rank0["series"]]
-        n_dev = max((len(s["devices"]) for s in rank0["series"]), default=0)
-        for i in range(n_dev):
+        for name in rank0["devices"]:  # "gpu<index>": a sample whose read failed lacks it
+            index = int(name[3:])
             for k, style in (("utilization_pct", "-"), ("temperature_c", "--"), ("power_w", ":")):
-                dev_ax.plot(t, [s["devices"][i].get(k) if len(s["devices"]) > i else None
-                                for s in rank0["series"]],
-                            style, label=f"gpu{rank0['series'][0]['devices'][i]['index']} {k}")
+                dev_ax.plot(t, [next((d.get(k) for d in s["devices"] if d["index"] == index), None)
+                                for s in rank0["series"]], style, label=f"{name} {k}")
         dev_ax.plot(t, [s["cpu_pct"] for s in rank0["series"]], label="worker CPU %")
         for f in rank0["firings"]:
             dev_ax.axvline(f["t"], color="red", alpha=0.5)  # a health rule fired

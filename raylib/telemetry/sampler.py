@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,8 @@ class Sampler:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._failed = False
+        self._failed: set[str] = set()
+        self.fit = uuid.uuid4().hex[:12]  # which fit of a resumed run this rank's energy belongs to
 
     def start(self) -> Sampler:
         self._first = self.sample_now()
@@ -65,15 +67,16 @@ class Sampler:
         with self._lock:
             t = time.perf_counter()
             sample: dict[str, Any] = {"t": time.monotonic() - self.t0, "step": self.step}
-            try:
-                if self.gpu is not None:
-                    sample["devices"] = [d.to_dict() for d in self.gpu.read()]
-                if self.host is not None:
-                    sample["host"] = self.host.read().to_dict()
-            except Exception as e:  # a reading must never take the training down
-                if not self._failed:
-                    log.warning("telemetry read failed (further failures are not logged): %r", e)
-                self._failed = True
+            for key, backend, read in (("devices", self.gpu, lambda b: [d.to_dict() for d in b.read()]),
+                                       ("host", self.host, lambda b: b.read().to_dict())):
+                if backend is None:
+                    continue
+                try:
+                    sample[key] = read(backend)
+                except Exception as e:  # a reading must never take the training down
+                    if key not in self._failed:
+                        log.warning("telemetry: reading %s failed (not logged again): %r", key, e)
+                    self._failed.add(key)
             self.read_s += time.perf_counter() - t
             self.reads += 1
             self.samples.append(sample)
@@ -96,7 +99,8 @@ class Sampler:
         """This rank's energy since start(): its GPUs' counters (or their power integrated where a
         GPU has no counter), the host's RAPL, and its process's CPU time for an estimate."""
         first, last = self._first or {}, self.latest()
-        out: dict[str, Any] = {"machine": machine_id(), "duration_s": last.get("t", 0) - first.get("t", 0),
+        out: dict[str, Any] = {"machine": machine_id(), "fit": self.fit,
+                               "duration_s": last.get("t", 0) - first.get("t", 0),
                                "gpu_j": None, "gpu_source": None, "rapl_j": None, "cpu_seconds": 0.0}
         devices = {d["index"]: d for d in first.get("devices") or []}
         if devices:

@@ -43,25 +43,56 @@ def webhook():
     server.shutdown()
 
 
-def test_power_tuning_alerts_and_utilisation_on_a_real_run(tiny_dataset, tmp_path, ray_local, monkeypatch,
-                                                          webhook):
+def test_health_actions_then_a_resume_with_power_tuning(tiny_dataset, tmp_path, ray_local, monkeypatch,
+                                                       webhook):
+    """A hot GPU is power-capped at once; a stop rule checkpoints the job and ends it with an error
+    that names the rule (its summary written). The same job, resumed with an alert rule and
+    power.tune, finishes: the limit it picked is the least Zeus cost of its sweep, every limit is
+    restored, the alert reaches a webhook and Ray's event log, and the summary has MFU, the time
+    breakdown and the energy read from the (fake) NVML counters."""
     import ray
 
+    from raylib.spec import HealthRule, PowerSpec
     from raylib.telemetry.power import zeus_cost
-    from raylib.train.trainer import run
+    from raylib.train.trainer import HealthStopped, run
     from raylib.train.utilisation import PARTS
 
-    url, posted = webhook
     script = tmp_path / "nvml.json"
-    write_script(script, {})  # two healthy GPUs drawing 300 W under a 700 W limit (min 100 W)
-    monkeypatch.setenv("RAYLIB_FAKE_NVML", str(script))
-    rule = {"name": "rss-seen", "metric": "rss_bytes", "op": ">", "value": 1, "action": "alert"}
-    spec = tiny_spec(tiny_dataset, tmp_path, name="tele",
+    # two GPUs drawing 300 W under a 700 W limit (range 100-700 W), 2 degrees under their slowdown
+    write_script(script, {"*": {"temperature_c": 88}}, every_device=True)
+    monkeypatch.setenv("RAYLIB_FAKE_NVML", str(script))  # reaches the workers through their runtime env
+    rules = [{"name": "hot", "metric": "temperature_c", "relative_to": "slowdown_temperature_c", "value": -5,
+              "action": "power_cap", "power_cap_w": 100},
+             {"name": "halt", "metric": "rss_bytes", "op": ">", "value": 1, "action": "stop"}]
+    spec = tiny_spec(tiny_dataset, tmp_path, name="tele", health={"rules": rules},
                      data={"tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "64KB"}]},
-                     health={"rules": [rule], "webhook": url},
-                     power={"tune": True, "sweep_w": [700, 250, 150], "steps_per_limit": 1, "eta": 0.5},
                      telemetry={"interval_s": 0.2, "pue": 1.5, "carbon_g_per_kwh": 400})
-    s = run(spec, progress=False).summary
+    # the pre-flight check reads the node before anything is reserved: without a gang scheduler to
+    # place the job around it, a clear error that names the node and the rule
+    with pytest.raises(HealthStopped, match=r"health.preflight found unhealthy node\(s\): node \w+: halt "
+                       r"\(host rss_bytes=\d+, threshold 1.0\).*placement.gang: true"):
+        run(spec, progress=False)
+    assert not (tmp_path / "tele" / "summary.json").exists()
+
+    spec = spec.model_copy(update={"health": spec.health.model_copy(update={"preflight": False})})
+    with pytest.raises(HealthStopped, match=r"stopped at step 2 by health rule 'halt' \(stop\)") as err:
+        run(spec, progress=False)
+    s = err.value.result.summary
+    assert s["steps"] == 2
+    t = s["telemetry"]
+    caps = [c for c in t["power"]["changes"] if c["why"] == "health rule hot"]
+    assert sorted(c["limit_w"] for c in caps) == [600, 600]  # 700 W - 100 W, on each rank's GPU
+    assert {d["temperature_c_max"] for d in t["devices"]} == {88}
+    # ...and put back when the run ended: each rank's GPU reads its original limit again
+    assert sorted(t["power"]["restored"], key=str) == [{"gpu0": 700}, {"gpu1": 700}]
+
+    url, posted = webhook
+    alert = {"name": "rss-seen", "metric": "rss_bytes", "op": ">", "value": 1, "action": "alert"}
+    tuned = spec.model_copy(update={
+        "health": spec.health.model_copy(update={"rules": [HealthRule(**alert)], "webhook": url}),
+        "power": PowerSpec(tune=True, sweep_w=[700, 250, 150], steps_per_limit=1)})
+    s = run(tuned, progress=False).summary
+    assert s["start_step"] == 2 and s["steps"] == 8 and len(s["loss_curve"]) == 6  # nothing lost
 
     u, t = s["utilisation"], s["telemetry"]
     # MFU: the model's FLOPs per step over the devices' measured peak, at the mean timed step
@@ -76,12 +107,13 @@ def test_power_tuning_alerts_and_utilisation_on_a_real_run(tiny_dataset, tmp_pat
     costs = {r["limit_w"]: zeus_cost(r["job_energy_j"], r["job_time_s"], 0.5, 2 * 700) for r in tune["table"]}
     assert tune["chosen_w"] == min(costs, key=costs.get)
     assert {c["limit_w"] for c in t["power"]["changes"]} >= {700, 250, 150}
+    assert sorted(t["power"]["restored"], key=str) == [{"gpu0": 700}, {"gpu1": 700}]
     # energy from the (fake) NVML counters: 300 W drawn below 700 and 250 W limits, capped at 150 W
     e = t["energy"]
     assert e["source"].startswith("measured: GPU NVML energy counter") and not e["estimate"]
     assert e["facility_j"] == pytest.approx(1.5 * e["energy_j"])
     assert e["carbon_g"] == pytest.approx(e["facility_j"] / 3.6e6 * 400) and e["cue_g_per_kwh"] == 600
-    assert e["per_token_j"] == pytest.approx(e["energy_j"] / (8 * 16 * s["seq_len"]))
+    assert e["per_token_j"] == pytest.approx(e["energy_j"] / (6 * 16 * s["seq_len"]))
     assert 150 * 0.9 <= e["mean_power_w"] / 2 <= 300 * 1.1  # two GPUs between the cap and their draw
     # the alert reached the webhook (each rank once) and Ray's event log
     assert sorted(p["rule"] for p in posted) == ["rss-seen", "rss-seen"]
@@ -90,41 +122,6 @@ def test_power_tuning_alerts_and_utilisation_on_a_real_run(tiny_dataset, tmp_pat
     with open(events) as f:
         assert any("rss-seen" in line and "tele" in line for line in f)
     assert (tmp_path / "tele" / "timeline.png").stat().st_size > 0
-
-
-def test_health_power_cap_and_stop_then_resume(tiny_dataset, tmp_path, ray_local, monkeypatch):
-    """A hot GPU is power-capped at once; a stop rule checkpoints the job and ends it with an error
-    that names the rule; the same job with the rule removed resumes from that checkpoint."""
-    from raylib.train.trainer import HealthStopped, run
-
-    script = tmp_path / "nvml.json"
-    write_script(script, {"*": {"temperature_c": 88}}, every_device=True)  # slowdown 90: within 5 degrees
-    monkeypatch.setenv("RAYLIB_FAKE_NVML", str(script))
-    rules = [{"name": "hot", "metric": "temperature_c", "relative_to": "slowdown_temperature_c", "value": -5,
-              "action": "power_cap", "power_cap_w": 100},
-             {"name": "halt", "metric": "rss_bytes", "op": ">", "value": 1, "action": "stop"}]
-    spec = tiny_spec(tiny_dataset, tmp_path, name="halted", health={"rules": rules},
-                     telemetry={"interval_s": 0.2, "export_metrics": False})
-    # the pre-flight check reads the node before anything is reserved: without a gang scheduler to
-    # place the job around it, a clear error that names the node and the rule
-    with pytest.raises(HealthStopped, match=r"health.preflight found unhealthy node\(s\): node \w+: halt "
-                       r"\(host rss_bytes=\d+, threshold 1.0\).*placement.gang: true"):
-        run(spec, progress=False)
-    assert not (tmp_path / "halted" / "summary.json").exists()
-    spec = spec.model_copy(update={"health": spec.health.model_copy(update={"preflight": False})})
-    with pytest.raises(HealthStopped, match=r"stopped at step 2 by health rule 'halt' \(stop\)") as err:
-        run(spec, progress=False)
-    s = err.value.result.summary
-    assert s["steps"] == 2
-    t = s["telemetry"]
-    caps = [c for c in t["power"]["changes"] if c["why"] == "health rule hot"]
-    assert sorted(c["limit_w"] for c in caps) == [600, 600]  # 700 W - 100 W, on each rank's GPU
-    assert {d["temperature_c_max"] for d in t["devices"]} == {88}
-    # ...and put back when the run ended: each rank's GPU reads its original limit again
-    assert sorted(t["power"]["restored"], key=str) == [{"gpu0": 700}, {"gpu1": 700}]
-    resumed = spec.model_copy(update={"health": spec.health.model_copy(update={"enabled": False})})
-    r = run(resumed, progress=False).summary
-    assert r["start_step"] == 2 and r["steps"] == 8 and len(r["loss_curve"]) == 6
 
 
 def test_gauges_reach_rays_metrics_endpoint_and_doctor_reads_every_node(ray_local, tmp_path):

@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
                                         "GPUs, S3, tier dirs, topology labels"))
     tune_command.add_arguments(sub.add_parser("tune", help="autotune the training strategy (ZeRO "
                                               "stage, micro-batch, offload, precision ...) with Ray Tune"))
+    from raylib.telemetry import top
+
+    top.add_arguments(sub.add_parser("top", help="a live per-node table of the running jobs' MFU, "
+                                     "throughput, GPU readings and health (Ray's metrics endpoints)"))
     export_command.add_arguments(sub.add_parser("export", help="write a run's trained model as a Hugging "
                                                 "Face directory (safetensors + tokenizer)"))
 
@@ -81,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             return doctor.main(args)
         if args.command == "tune":
             return tune_command.main(args)
+        if args.command == "top":
+            return top.main(args)
         if args.command == "export":
             return export_command.main(args)
         return _data_build(args)

@@ -26,6 +26,8 @@ def utilisation_summary(history, timed: list[float]) -> dict[str, Any] | None:
     if history.breakdown:
         r0 = history.breakdown[0]
         out["breakdown_s"] = {k: r0[k] for k in (*PARTS, "loop_s")}
+        steps = max(1, len(history.losses))
+        out["breakdown_s_per_step"] = {k: r0[k] / steps for k in PARTS}
         out["breakdown"] = fractions(r0)  # rank 0's loop; every rank's seconds in breakdown_ranks
         out["breakdown_ranks"] = history.breakdown
     return out

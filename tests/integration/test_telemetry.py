@@ -166,4 +166,10 @@ def test_gauges_reach_rays_metrics_endpoint_and_doctor_reads_every_node(ray_loca
                 seen[name] = line.rsplit(" ", 1)[1]
         time.sleep(0.5)
     assert seen == want
+    # `raylib top` reads the same endpoints: one row for the worker's rank, its figures formatted
+    from raylib.telemetry import top
+
+    (row,) = [r for r in top.snapshot() if r["run"] == "metrics-probe" and r["device"] == ""]
+    assert row["rank"] == "3" and row["mfu"] == 0.4242
+    assert "42.4%" in top.table([row])
     ray.kill(worker)

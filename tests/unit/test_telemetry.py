@@ -675,3 +675,23 @@ def test_energy_of_a_resumed_run_spans_every_fit(kind, expected):
                           fit(**{kind: 100.0}, fit_id="second")])
     e = telemetry_summary(h, 2, 2, JobSpec.from_dict({}))["energy"]
     assert {k: e[k] for k in expected} == expected
+
+
+@pytest.mark.unit
+def test_top_parses_the_metrics_endpoint_into_one_row_per_rank_and_device():
+    from raylib.telemetry.top import parse, table
+
+    text = "\n".join([
+        "# HELP ray_raylib_mfu Model FLOPs utilisation",
+        'ray_raylib_mfu{Component="core_worker",device="",node="72e8",rank="1",run="r"} 0.42',
+        'ray_raylib_gpu_temperature_c{device="gpu0",node="72e8",rank="1",run="r"} 61.5',
+        'ray_raylib_gpu_power_w{device="gpu0",node="72e8",rank="1",run="r"} 301',
+        'ray_raylib_mfu{device="",node="9a1b",rank="0",run="r"} 0.40',
+        'ray_node_cpu_utilization{node="72e8"} 12'])
+    rows = parse(text)
+    assert [(r["rank"], r["device"]) for r in rows] == [("0", ""), ("1", ""), ("1", "gpu0")]
+    assert rows[1]["mfu"] == 0.42 and rows[2] == {"run": "r", "rank": "1", "node": "72e8", "device": "gpu0",
+                                                   "gpu_temperature_c": 61.5, "gpu_power_w": 301.0}
+    lines = table(rows).splitlines()
+    assert lines[0].split()[:5] == ["node", "run", "rank", "device", "MFU"]
+    assert "42.0%" in lines[2] and "62" in lines[3] and "301" in lines[3]

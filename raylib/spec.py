@@ -609,6 +609,8 @@ class TelemetrySpec(_Section):
     NVML, its own process and the host on CPU), and how a run's energy is accounted."""
 
     enabled: bool = True
+    """false: no sampler (device readings, energy, gauges; MFU and the breakdown stay), and the
+    default health rules are off with it."""
     interval_s: float = Field(1.0, gt=0)
     """Seconds between samples."""
     export_metrics: bool = True
@@ -755,6 +757,9 @@ class JobSpec(_Section):
                 f"strategy.pipeline_parallel = {s.tensor_parallel} x {s.pipeline_parallel}; use a "
                 f"multiple of {s.tensor_parallel * s.pipeline_parallel} workers")
         resolve_batch(s, self.dp_size, user)
+        if not self.telemetry.enabled and self.health.enabled and self.health.model_fields_set:
+            raise ValueError("health rules read the telemetry, which telemetry.enabled: false turns off; "
+                             "enable telemetry or set health.enabled: false")
         return self
 
     # -- constructors ---------------------------------------------------------------------------

@@ -113,6 +113,14 @@ class RankTelemetry:
                           "limits_after_restore": restored},
                 "overhead": self.sampler.overhead(), "backend": self.sampler.host.describe()}
 
+    def abort(self) -> None:
+        """The loop failed: stop sampling and restore the power limits (nothing to report)."""
+        self.sampler.stop()
+        if self.power is not None:
+            self.power.restore()
+        if self.gpu is not None:
+            self.gpu.close()
+
     # -- health actions ---------------------------------------------------------------------------
 
     def severity(self) -> int:

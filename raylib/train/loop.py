@@ -105,58 +105,63 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     step_times: list[float] = []
     parts = StepParts()
     loop_start = time.perf_counter()
-    for step in range(start, spec.run.steps):
-        t0 = time.perf_counter()
-        total = 0.0
-        for _ in range(accum):
-            tw = time.perf_counter()
-            batch = next(batches)
-            parts.data_wait += time.perf_counter() - tw
-            if first_batch is None and verify:
-                first_batch = {k: v.clone() for k, v in batch.items()}
-            with parts.phase("compute"):
-                loss = engine(**batch).loss
-                engine.backward(loss)
-                total += loss.item()
-            with parts.phase("checkpoint"):
-                checkpointer.fence()
-            with parts.phase("optimizer"):
-                engine.step()
-        step_times.append(time.perf_counter() - t0)
-        losses.append(total / accum)
-        reduction.step_done(step_times[-1])
+    try:
+        for step in range(start, spec.run.steps):
+            t0 = time.perf_counter()
+            total = 0.0
+            for _ in range(accum):
+                tw = time.perf_counter()
+                batch = next(batches)
+                parts.data_wait += time.perf_counter() - tw
+                if first_batch is None and verify:
+                    first_batch = {k: v.clone() for k, v in batch.items()}
+                with parts.phase("compute"):
+                    loss = engine(**batch).loss
+                    engine.backward(loss)
+                    total += loss.item()
+                with parts.phase("checkpoint"):
+                    checkpointer.fence()
+                with parts.phase("optimizer"):
+                    engine.step()
+            step_times.append(time.perf_counter() - t0)
+            losses.append(total / accum)
+            reduction.step_done(step_times[-1])
 
-        done = step + 1
+            done = step + 1
+            if telemetry is not None:
+                telemetry.step_done(done, step_times[-1])
+            metrics = {"step": done, "loss": losses[-1], "lr": engine.get_lr()[0],
+                       "samples_per_s": global_batch / step_times[-1],
+                       "data_wait_fraction": parts.data_wait / (time.perf_counter() - loop_start)}
+            if utilisation is not None:
+                metrics["mfu"] = utilisation.mfu(step_times[-1])
+                if telemetry is not None and telemetry.gauges is not None:
+                    for k in ("mfu", "samples_per_s", "data_wait_fraction"):
+                        telemetry.gauges.set(k, metrics[k])
+                    telemetry.gauges.set("step_time_s", step_times[-1])
+            if evaluator and _eval_due(spec, done):
+                te = time.perf_counter()
+                metrics.update(evaluator(engine))
+                evals.append({"step": done, **{k: v for k, v in metrics.items() if k.startswith("eval_")}})
+                loop_start += time.perf_counter() - te  # evaluation is not training time
+            # a preempted job (or one a health rule isolated or stopped) checkpoints here and stops;
+            # the driver waits for its gang again (or reports the rule)
+            if probe_job is not None and done < spec.run.steps and done % spec.run.log_every == 0:
+                stop_code = probe_job()
+            if stop_code or _checkpoint_due(spec, done):
+                with parts.phase("checkpoint"):
+                    compression = reduction.state_dict()
+                    client = _client_state(pipeline, on_gpu, config.get("peft_base"), layout.tp)
+                    checkpointer.save(engine, done, metrics, client,
+                                      rank_state={"compression": compression} if compression else None)
+            elif done % spec.run.log_every == 0 or (evals and evals[-1]["step"] == done):
+                ray.train.report(metrics)
+            if stop_code:
+                break
+    except BaseException:  # power limits and the sampler are given back whatever ends the loop
         if telemetry is not None:
-            telemetry.step_done(done, step_times[-1])
-        metrics = {"step": done, "loss": losses[-1], "lr": engine.get_lr()[0],
-                   "samples_per_s": global_batch / step_times[-1],
-                   "data_wait_fraction": parts.data_wait / (time.perf_counter() - loop_start)}
-        if utilisation is not None:
-            metrics["mfu"] = utilisation.mfu(step_times[-1])
-            if telemetry is not None and telemetry.gauges is not None:
-                for k in ("mfu", "samples_per_s", "data_wait_fraction"):
-                    telemetry.gauges.set(k, metrics[k])
-                telemetry.gauges.set("step_time_s", step_times[-1])
-        if evaluator and _eval_due(spec, done):
-            te = time.perf_counter()
-            metrics.update(evaluator(engine))
-            evals.append({"step": done, **{k: v for k, v in metrics.items() if k.startswith("eval_")}})
-            loop_start += time.perf_counter() - te  # evaluation is not training time
-        # a preempted job (or one a health rule isolated or stopped) checkpoints here and stops;
-        # the driver waits for its gang again (or reports the rule)
-        if probe_job is not None and done < spec.run.steps and done % spec.run.log_every == 0:
-            stop_code = probe_job()
-        if stop_code or _checkpoint_due(spec, done):
-            with parts.phase("checkpoint"):
-                compression = reduction.state_dict()
-                client = _client_state(pipeline, on_gpu, config.get("peft_base"), layout.tp)
-                checkpointer.save(engine, done, metrics, client,
-                                  rank_state={"compression": compression} if compression else None)
-        elif done % spec.run.log_every == 0 or (evals and evals[-1]["step"] == done):
-            ray.train.report(metrics)
-        if stop_code:
-            break
+            telemetry.abort()
+        raise
     loop_s = time.perf_counter() - loop_start
     preempted = stop_code == 1
     checkpointer.close()

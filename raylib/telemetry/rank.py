@@ -36,7 +36,8 @@ def _text(v) -> str:
 
 
 class RankTelemetry:
-    def __init__(self, spec, *, rank: int, local_rank: int, node: str, on_gpu: bool, gang=None):
+    def __init__(self, spec, *, rank: int, local_rank: int, node: str, on_gpu: bool, gang=None,
+                 fit: str | None = None):
         from raylib.telemetry.host import HostBackend
         from raylib.telemetry.sampler import Sampler
 
@@ -67,7 +68,7 @@ class RankTelemetry:
             gauges = Gauges(spec.name, rank, node)
         self.gauges = gauges
         self.sampler = Sampler(spec.telemetry.interval_s, gpu=self.gpu, host=HostBackend(), monitor=monitor,
-                               gauges=gauges, on_firing=self._act)
+                               gauges=gauges, on_firing=self._act, fit=fit)
         if monitor is not None:  # firings on the samples' clock (seconds since the sampler started)
             monitor.clock = lambda: time.monotonic() - self.sampler.t0
         self.power_skipped = None

@@ -24,7 +24,7 @@ MAX_SAMPLES = 4096  # beyond it every other sample is dropped: a long run keeps 
 
 class Sampler:
     def __init__(self, interval_s: float = 1.0, gpu=None, host=None, monitor=None, gauges=None,
-                 on_firing: Callable | None = None):
+                 on_firing: Callable | None = None, fit: str | None = None):
         self.interval_s = interval_s
         self.gpu, self.host, self.monitor, self.gauges = gpu, host, monitor, gauges
         self.on_firing = on_firing
@@ -38,7 +38,9 @@ class Sampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failed: set[str] = set()
-        self.fit = uuid.uuid4().hex[:12]  # which fit of a resumed run this rank's energy belongs to
+        # which fit of a run this rank's energy belongs to: the same on every rank of one fit (the
+        # ranks run side by side; a resumed run's fits one after another)
+        self.fit = fit or uuid.uuid4().hex[:12]
 
     def start(self) -> Sampler:
         self._first = self.sample_now()

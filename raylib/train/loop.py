@@ -356,8 +356,14 @@ def _start_telemetry(spec, rank: int, local_rank: int, node: str, on_gpu: bool, 
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return t.tolist()
 
+    import uuid
+
+    import torch.distributed as dist
+
+    fit = [uuid.uuid4().hex[:12]]
+    dist.broadcast_object_list(fit, src=0)  # one id for this fit's ranks: its energy is counted once
     return RankTelemetry(spec, rank=rank, local_rank=local_rank, node=node, on_gpu=on_gpu,
-                         gang=gang).start(all_reduce=all_reduce)
+                         gang=gang, fit=fit[0]).start(all_reduce=all_reduce)
 
 
 def _stopped_by(code: int, ranks: list[dict[str, Any] | None]) -> dict[str, Any] | None:

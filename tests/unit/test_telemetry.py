@@ -695,3 +695,15 @@ def test_top_parses_the_metrics_endpoint_into_one_row_per_rank_and_device():
     lines = table(rows).splitlines()
     assert lines[0].split()[:5] == ["node", "run", "rank", "device", "MFU"]
     assert "42.0%" in lines[2] and "62" in lines[3] and "301" in lines[3]
+
+
+@pytest.mark.unit
+def test_ranks_of_one_fit_run_side_by_side_for_mean_power():
+    """The ranks of one fit share its id (the loop broadcasts it): their energy adds up over the
+    same wall time, not over the sum of their durations."""
+    from raylib.telemetry.energy import run_energy
+
+    ranks = [{"machine": "m1", "fit": "f1", "gpu_j": 100.0, "gpu_source": "NVML energy counter",
+              "rapl_j": None, "cpu_seconds": 1.0, "duration_s": d} for d in (10.0, 9.5)]
+    e = run_energy(ranks, steps=10, tokens=1000, telemetry=JobSpec.from_dict({}).telemetry)
+    assert e["energy_j"] == 200.0 and e["mean_power_w"] == 20.0

@@ -79,13 +79,13 @@ def test_the_console_shows_the_driver_a_bar_a_restart_warning_and_the_summary(ti
     for noise in ("RayTrainWorker pid=", "TrainController pid=", "Reporting training result",
                   "core_worker.cc", "Setting accelerator to CPU", "Traceback"):
         assert noise not in stdout + stderr, noise
-    # The driver's own lines only: what starts, the bar (steps, loss, samples/s, data wait), the
+    # The driver's own lines only: what starts, the bar (steps, loss, samples/s, MFU, data wait), the
     # warning. (Ray's token-auth notice comes from ray.init on the driver.)
     for line in console_lines(stderr):
         assert line.startswith(("INFO raylib.", "WARNING raylib.", "train:")) or \
             "authentication_token_setup" in line, line
     bar = [ln for ln in console_lines(stderr) if ln.startswith("train:")][-1]
-    assert re.search(r"40/40 .*loss \d+\.\d{3}, \d+ samples/s, data wait \d+%\]$", bar), bar
+    assert re.search(r"40/40 .*loss \d+\.\d{3}, \d+ samples/s, MFU \d+%, data wait \d+%\]$", bar), bar
     assert "INFO raylib.train.trainer: training 'tiny' (bert-tiny, masked_lm) on 2 worker(s)" in stderr
 
     # stdout: the summary and where everything else went. Before it, Ray's driver may print its own

@@ -7,10 +7,12 @@ step) and a background thread hands them to its node's keeper (handoff.py). The 
 replicates and persists in the background (only persisting writes DeepSpeed's files). A restore
 from memory at the same world size serves the state dicts to DeepSpeed from the object store
 (deepspeed_io.ServeEngine): no file is written or read. Rank 0 reports a small *pointer*
-checkpoint to Ray Train ({run, step, world_size, persist_url}), so Ray Train's bookkeeping,
-get_checkpoint() and Tune keep working. The pointer is reported before the other ranks' parts have
-reached their keepers, so it is only a hint: restore loads the newest step that is complete,
-whatever the pointer says.
+checkpoint to Ray Train ({run, step, world_size, persist_url, complete_step}), so Ray Train's
+bookkeeping, get_checkpoint() and Tune keep working. The pointer is reported before the ranks' parts
+of `step` have reached their keepers, so it is only a hint: restore loads the newest step that is
+complete, whatever the pointer says. `complete_step` is the newest step every rank had handed over
+when the pointer was written (one MIN all-reduce per save; None before the first): the one the
+pointer vouches for.
 
 Restoring after a restart, every rank must load the same step, so the choice is collective: rank 0
 lists the complete steps (newest first) and broadcasts them; for each, every rank fetches what it
@@ -26,7 +28,9 @@ checkpoint behind (or absent) while the snapshot itself is complete in the keepe
 a new fit resumes from the key named by Ray Train's pointer (the previous fit's), and with neither
 it starts afresh: leftovers of earlier fits in the same run directory are never read, and freed.
 A pointer of this fit with no complete step behind it (a rank died before its first part reached a
-keeper) is a fresh start with a warning; one of a previous fit with nothing usable is an error.
+keeper) is a fresh start with a warning, and so is one of a previous fit that vouches for no step
+(its fit died within its first snapshot's handoff); one of a previous fit whose complete_step
+survives nowhere is an error (training would silently be lost).
 """
 
 from __future__ import annotations
@@ -149,6 +153,7 @@ class ObjectStoreCheckpointer:
         self._phases: dict[str, float] = {}
         self._copy: HostCopy | None = None  # the newest snapshot's host copy, until fenced
         self._unpersisted: int | None = None  # the newest snapshot's step if put without persistence
+        self._handed: int | None = None  # the newest step this rank's handoff settled (not lost)
         self._last_persist = time.monotonic()  # rank 0's: a duration cadence counts from the start
         if spec.checkpoint.in_memory:  # while the engine is built: a first actor call costs ~0.1 s
             threading.Thread(target=_connect_to_keepers, args=(self.rank,), name="ckpt-connect",
@@ -206,14 +211,20 @@ class ObjectStoreCheckpointer:
                                   "restore_phases_s": {k: v for k, v in self._phases.items()
                                                        if k.startswith("restore_")}}
                 break
+        # pointers written before complete_step existed vouch for their step
+        vouched = pointer.get("complete_step", pointer["step"]) if pointer is not None else None
         if found is None and pointer is not None and pointer["run"] == self.store.run:
             log.warning("Ray Train's latest checkpoint points to step %d of this run, but no rank's "
                         "set of parts for it (or any earlier step) was complete when the worker group "
                         "failed: starting afresh", pointer["step"])
+        elif found is None and pointer is not None and vouched is None:
+            log.warning("Ray Train's latest checkpoint points to step %d of %s, which failed before "
+                        "every rank had handed over any snapshot (none survives): starting afresh",
+                        pointer["step"], pointer["run"])
         elif found is None and pointer is not None:
             raise RuntimeError(
-                f"Ray Train's latest checkpoint points to {pointer['run']} step {pointer['step']}, but "
-                f"no complete copy of any checkpoint of that run survives in the keepers' memory or at "
+                f"Ray Train's latest checkpoint points to {pointer['run']} step {pointer['step']} (step "
+                f"{vouched} complete on every rank), but no complete copy of any checkpoint of that run survives in the keepers' memory or at "
                 f"{pointer['persist_url']}; restore the persisted files, or start the run afresh "
                 "(remove its run directory)"
             )
@@ -300,6 +311,9 @@ class ObjectStoreCheckpointer:
         t0 = time.perf_counter()
         self._reap()
         self._device = engine.device
+        with self._phase("agree"):  # what the pointer vouches for: the newest step all ranks handed over
+            handed = int(self._reduce(engine.device, [-1 if self._handed is None else self._handed], "MIN")[0])
+        metrics = {**metrics, "checkpoint_complete_step": None if handed < 0 else handed}
         with self._phase("capture"):
             captured = deepspeed_io.capture(engine, step, state, rank_state)
             self._bytes = sum(p.nbytes if isinstance(p, Flat) else len(p) for p in captured.values())
@@ -360,6 +374,8 @@ class ObjectStoreCheckpointer:
                                      or len(self._pending) >= MAX_PENDING):
                 h = self._pending.pop(0)
                 h.settle()
+                if not h.lost:
+                    self._handed = h.step
                 self._replicas = h.replicas if h.replicas is not None else self._replicas
 
     def settle(self) -> None:
@@ -373,7 +389,8 @@ class ObjectStoreCheckpointer:
             ray.train.report(metrics)
             return
         pointer = {"run": self.store.run, "step": step, "world_size": self.world,
-                   "persist_url": self.policy.persist_url}
+                   "persist_url": self.policy.persist_url,
+                   "complete_step": metrics["checkpoint_complete_step"]}
         directory = tempfile.mkdtemp(prefix="raylib-pointer-")
         with open(os.path.join(directory, POINTER), "w") as f:
             json.dump(pointer, f)

@@ -41,6 +41,7 @@ class Handoff:
         self.captured, self.nbytes, self.meta = captured, nbytes, meta
         self.failures = failures  # shared with the checkpointer: what fell back to a direct write
         self.replicas: list[str] | None = None
+        self.lost = False  # neither a keeper nor persist_url has it
         self.refs: dict[str, Any] | None = None  # the part's objects, once put
         self.thread = threading.Thread(target=self._run, name=f"ckpt-handoff-{step}", daemon=True)
 
@@ -80,6 +81,7 @@ class Handoff:
                 self._fall_back(e)
         except Exception as e:  # the fallback failed too: this snapshot is lost, training goes on
             log.warning("checkpoint of step %d (rank %d) lost: %s", self.step, self.rank, e)
+            self.lost = True
             self.failures.append(f"step {self.step}: lost: {e}")
         finally:
             self.captured = self.refs = None  # the keeper's (or persisted) now

@@ -52,6 +52,7 @@ class TrialProbe(WorkerGroupCallback, ReportCallback):
         self._workers = None
         self._eval_loss = float("inf")
         self._since: tuple[int, float] | None = None  # (step, time) of the first report after warm-up
+        self._vouched = False  # a reported pointer vouched for a complete checkpoint
 
     def after_worker_group_start(self, worker_group) -> None:
         self._workers = worker_group
@@ -76,6 +77,8 @@ class TrialProbe(WorkerGroupCallback, ReportCallback):
             # Tune wants the objective in every result: the latest validation loss (inf before any)
             result["eval_loss"] = self._eval_loss
             self._to_tune.after_report(None, [result], training_report.checkpoint)
+        if metrics[0].get("checkpoint_complete_step") is not None:
+            self._vouched = True
         self._maybe_crash(step)
 
     def _peak_memory(self) -> int | None:
@@ -86,7 +89,8 @@ class TrialProbe(WorkerGroupCallback, ReportCallback):
 
     def _maybe_crash(self, step: int) -> None:
         s = self.settings
-        if s.crash_at_step is None or step < s.crash_at_step or self._workers is None:
+        # (a crash before any checkpoint is complete on every rank would only test a fresh start)
+        if s.crash_at_step is None or step < s.crash_at_step or self._workers is None or not self._vouched:
             return
         marker = Path(s.crash_marker)
         if marker.exists():

@@ -94,8 +94,9 @@ class TuneSpec(BaseModel):
     """Checkpoint trials every N steps so a crashed trial resumes instead of restarting (0: no
     checkpoints; a short trial restarts cheaply)."""
     inject_crash_at_step: int | None = Field(None, ge=1)
-    """Chaos testing: the first trial reaching this step has its last training worker killed
-    (ray.kill: SIGKILL) once in the whole tuning run; the retry runs clean."""
+    """Chaos testing: the first trial reaching this step, with a checkpoint complete on every rank,
+    has its last training worker killed (ray.kill: SIGKILL) once in the whole tuning run; the retry
+    runs clean."""
     seed: int = 0
     """random search's sample."""
 

@@ -292,9 +292,10 @@ def kill_a_worker_after_a_checkpoint(api: str, prefix: str, seen: dict, timeout_
         time.sleep(0.05)  # polling interval, not a synchronisation
 
 
-def _restore_with_pointer(spec, of_this_fit: bool):
+def _restore_with_pointer(spec, of_this_fit: bool, vouched: int | None = 2):
     """In a one-rank gloo group: rank 0 of a 2-rank step 2 reached its keeper, rank 1 never did
-    (it died first), and Ray Train's pointer names that step. Returns restore's answer or error."""
+    (it died first), and Ray Train's pointer names that step, vouching for `vouched` as complete on
+    every rank. Returns restore's answer or error."""
     import tempfile
 
     import numpy as np
@@ -311,7 +312,8 @@ def _restore_with_pointer(spec, of_this_fit: bool):
         files = payload(2, 0)
         refs = {rel: ray.put(np.frombuffer(data, dtype=np.uint8)) for rel, data in files.items()}
         ray.get(CheckpointStore(run, checkpointer.policy).put(2, 0, 2, refs, 1, {"state": {}}))
-        pointer = {"run": run, "step": 2, "world_size": 2, "persist_url": checkpointer.policy.persist_url}
+        pointer = {"run": run, "step": 2, "world_size": 2, "persist_url": checkpointer.policy.persist_url,
+                   "complete_step": vouched}
         try:
             return checkpointer.restore(None, pointer), None
         except RuntimeError as e:
@@ -322,8 +324,10 @@ def _restore_with_pointer(spec, of_this_fit: bool):
 
 def test_a_pointer_to_an_incomplete_checkpoint_is_never_loaded(cluster, tiny_dataset, tmp_path):
     """Rank 0 reports the pointer before the other ranks' parts reach their keepers. A worker group
-    restarted within the same fit starts afresh (nothing complete); a new fit whose pointer leads
-    nowhere stops with a clear error rather than silently discarding the training done."""
+    restarted within the same fit starts afresh (nothing complete); a new fit whose pointer vouches
+    for a step that survives nowhere stops with a clear error rather than silently discarding the
+    training done; one whose pointer vouches for nothing (its fit died within its first handoff: a
+    race, not a loss) starts afresh."""
     import ray
 
     spec = job(tiny_dataset, tmp_path, "pointer")
@@ -331,6 +335,7 @@ def test_a_pointer_to_an_incomplete_checkpoint_is_never_loaded(cluster, tiny_dat
     assert ray.get(task.remote(spec, True)) == (None, None)
     found, error = ray.get(task.remote(spec, False))
     assert found is None and "no complete copy of any checkpoint" in error, error
+    assert ray.get(task.remote(spec, False, None)) == (None, None)
 
 
 @pytest.mark.chaos

@@ -63,6 +63,15 @@ def main(argv: list[str] | None = None) -> int:
                                      "throughput, GPU readings and health (Ray's metrics endpoints)"))
     export_command.add_arguments(sub.add_parser("export", help="write a run's trained model as a Hugging "
                                                 "Face directory (safetensors + tokenizer)"))
+    from raylib.perf import estimate, tco
+
+    estimate.add_estimate_arguments(sub.add_parser(
+        "estimate", help="predict a job's step time, MFU, memory, cost, energy and bottleneck on a "
+        "described cluster"))
+    estimate.add_calibrate_arguments(sub.add_parser("calibrate", help="fit the performance model's "
+                                                    "efficiency terms to finished runs"))
+    tco.add_arguments(sub.add_parser("tco", help="total cost of ownership: on-prem vs cloud, break-even "
+                                     "utilisation and years"))
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["storage", "serve"]:  # its own flags: raylib.data.s3server.main
@@ -89,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
             return top.main(args)
         if args.command == "export":
             return export_command.main(args)
+        if args.command == "estimate":
+            return estimate.estimate_main(args)
+        if args.command == "calibrate":
+            return estimate.calibrate_main(args)
+        if args.command == "tco":
+            return tco.main(args)
         return _data_build(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"raylib: error: {e}", file=sys.stderr)

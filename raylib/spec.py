@@ -719,6 +719,17 @@ class PowerSpec(_Section):
         return self
 
 
+class CostSpec(_Section):
+    """What a run costs (summary.json `cost`; `raylib estimate` prices a prediction the same way)."""
+
+    price_per_device_hour: float | None = Field(None, ge=0)
+    """None: the accelerator catalogue's cloud on-demand price for the run's GPU (raylib/perf/
+    catalogue.py, sources there); on CPU none (no device cost is stated)."""
+    price_per_kwh: float = Field(0.12, ge=0)
+    """Electricity (USD): ~the US industrial average plus margin (EIA Electric Power Monthly)."""
+    currency: str = "USD"
+
+
 class JobSpec(_Section):
     """A complete training job."""
 
@@ -736,6 +747,7 @@ class JobSpec(_Section):
     telemetry: TelemetrySpec = Field(default_factory=TelemetrySpec)
     health: HealthSpec = Field(default_factory=HealthSpec)
     power: PowerSpec = Field(default_factory=PowerSpec)
+    cost: CostSpec = Field(default_factory=CostSpec)
 
     @field_validator("name")
     @classmethod

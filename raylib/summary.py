@@ -162,6 +162,9 @@ def summarize(spec, history: RunHistory, index, ds_config: dict[str, Any],
         "evals": history.evals,
         "loss_curve": losses,
     }
+    from raylib.perf.cost import run_cost
+
+    summary["cost"] = run_cost(spec, summary)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if losses:

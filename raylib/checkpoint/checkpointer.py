@@ -224,7 +224,8 @@ class ObjectStoreCheckpointer:
         elif found is None and pointer is not None:
             raise RuntimeError(
                 f"Ray Train's latest checkpoint points to {pointer['run']} step {pointer['step']} (step "
-                f"{vouched} complete on every rank), but no complete copy of any checkpoint of that run survives in the keepers' memory or at "
+                f"{vouched} complete on every rank), but no complete copy of any checkpoint of that run "
+                f"survives in the keepers' memory or at "
                 f"{pointer['persist_url']}; restore the persisted files, or start the run afresh "
                 "(remove its run directory)"
             )
@@ -312,7 +313,8 @@ class ObjectStoreCheckpointer:
         self._reap()
         self._device = engine.device
         with self._phase("agree"):  # what the pointer vouches for: the newest step all ranks handed over
-            handed = int(self._reduce(engine.device, [-1 if self._handed is None else self._handed], "MIN")[0])
+            mine = -1 if self._handed is None else self._handed
+            handed = int(self._reduce(engine.device, [mine], "MIN")[0])
         metrics = {**metrics, "checkpoint_complete_step": None if handed < 0 else handed}
         with self._phase("capture"):
             captured = deepspeed_io.capture(engine, step, state, rank_state)

@@ -19,19 +19,22 @@ gradients). Embedding lookups, LayerNorm, softmax, activations, biases, dropout 
 not counted (O(h) per token against the O(h^2) matmuls), nor activation recomputation: this is
 model FLOPs (MFU), not hardware FLOPs (HFU).
 
-The peak: on a GPU a catalogue of NVIDIA's datasheets (dense, no 2:4 sparsity), on CPU (and an
-uncatalogued GPU) a matmul microbenchmark measured once per machine and cached."""
+The peak: on a GPU a catalogue of NVIDIA's datasheets (dense, no 2:4 sparsity; the GPU rows of
+raylib.perf.catalogue), on CPU (and an uncatalogued GPU) a matmul microbenchmark measured once per
+machine and cached."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# the catalogue lives in raylib.perf.catalogue; re-exported here, where peak_flops and its tests use it
+from raylib.perf.catalogue import GPU_CATALOGUE, Accelerator, T, match_device_name  # noqa: F401
 
 # Families whose MLP is gated (gate_proj, up_proj, down_proj), and those whose MLM head runs a
 # dense h x h transform before the vocabulary projection.
@@ -122,44 +125,6 @@ def mfu(flops_per_step: float, step_s: float, peak_per_device: float, devices: i
 
 # -- the peak ---------------------------------------------------------------------------------------
 
-T = 1e12
-
-
-@dataclass(frozen=True)
-class Accelerator:
-    name: str
-    match: tuple[str, ...]
-    """Regular expressions searched (case-insensitively) in the device's name, as CUDA or NVML
-    report it; the SXM rows must not claim the PCIe/NVL parts, which peak lower."""
-    peak_flops: dict[str, float]
-    """Dense peak FLOP/s per dtype (fp32 without tensor cores; tf32, fp16, bf16, fp8 on them)."""
-    memory_gb: float
-    tdp_w: float
-    interconnect: str
-
-
-GPU_CATALOGUE: list[Accelerator] = [
-    # NVIDIA V100 Tensor Core GPU datasheet (2020), SXM2: FP32 15.7, tensor 125 TFLOPS; no bf16/tf32
-    Accelerator("NVIDIA V100 SXM2 32GB", (r"V100-SXM2-32GB",),
-                {"fp32": 15.7 * T, "fp16": 125 * T}, 32, 300, "NVLink 2.0 300 GB/s"),
-    # NVIDIA A100 Tensor Core GPU datasheet (2021), 80GB SXM: FP32 19.5, TF32 156, BF16/FP16 312
-    # TFLOPS dense (the sheet's 312/624 are with sparsity)
-    Accelerator("NVIDIA A100 SXM 80GB", (r"A100-SXM4?-80GB", r"A100 SXM4? 80GB"),
-                {"fp32": 19.5 * T, "tf32": 156 * T, "fp16": 312 * T, "bf16": 312 * T},
-                80, 400, "NVLink 3.0 600 GB/s"),
-    # NVIDIA H100 Tensor Core GPU datasheet, SXM: FP32 67, TF32 989, BF16/FP16 1979, FP8 3958 TFLOPS
-    # with sparsity: halved here. CUDA names the SXM5 part "NVIDIA H100 80GB HBM3".
-    Accelerator("NVIDIA H100 SXM", (r"H100 80GB HBM3", r"H100.*SXM"),
-                {"fp32": 67 * T, "tf32": 494.5 * T, "fp16": 989.5 * T, "bf16": 989.5 * T, "fp8": 1979 * T},
-                80, 700, "NVLink 4.0 900 GB/s"),
-    # NVIDIA H200 Tensor Core GPU datasheet, SXM: the H100 SXM's compute (FP32 67, TF32 989,
-    # BF16/FP16 1979, FP8 3958 TFLOPS with sparsity: halved here), 141 GB HBM3e; not the H200 NVL
-    Accelerator("NVIDIA H200 SXM", (r"H200(?!.*NVL)",),
-                {"fp32": 67 * T, "tf32": 494.5 * T, "fp16": 989.5 * T, "bf16": 989.5 * T, "fp8": 1979 * T},
-                141, 700, "NVLink 4.0 900 GB/s"),
-]
-
-
 @dataclass
 class Peak:
     flops: float
@@ -171,11 +136,8 @@ _DTYPES = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": "bfl
 
 
 def find_accelerator(name: str) -> Accelerator | None:
-    """The catalogue's row for a device `name` (torch.cuda.get_device_name or NVML's), or None."""
-    for row in GPU_CATALOGUE:
-        if any(re.search(pattern, name, re.IGNORECASE) for pattern in row.match):
-            return row
-    return None
+    """The GPU catalogue's row for a device `name` (torch.cuda.get_device_name or NVML's), or None."""
+    return match_device_name(name, GPU_CATALOGUE)
 
 
 def peak_flops(device: str, dtype: str = "fp32", threads: int | None = None, cache_dir=None,

@@ -150,7 +150,8 @@ def test_every_configuration_runs_or_is_recorded(tuning):
 
 def test_a_crashed_trial_is_retried_from_its_checkpoint(tuning):
     marker = (tuning["out"] / "crash-injected").read_text()
-    crashed, at = re.fullmatch(r"killed the last training worker of trial (\w+) at step (\d+)\n", marker).groups()
+    crashed, at = re.fullmatch(r"killed the last training worker of trial (\w+) at step (\d+)\n",
+                               marker).groups()
     row = next(r for r in tuning["rows"] if r["trial"] == crashed)
     assert row["status"] == "completed", tuning["stdout"]
     # The kill comes at the first report from step 3 on whose pointer vouches for a complete

@@ -1,0 +1,207 @@
+"""The described cluster a job is predicted on: `raylib estimate CONFIG --cluster FILE`.
+
+One YAML file: the accelerator (a catalogue key, raylib/perf/catalogue.py), how many, the topology
+levels a collective can cross (each with its per-device bandwidth and latency), the storage tiers'
+bandwidths, prices, and the calibration the model's efficiency terms come from. Every field left
+out takes the catalogue's figure for that accelerator (a DGX-style board: 8 devices per node on
+NVLink, one NIC share per device between nodes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Level(_Section):
+    """One level of the topology: a unit of `devices` devices (a node, a leaf switch's rack, ...);
+    a collective among devices of different units at this level runs at `bandwidth_gbs` per device."""
+
+    name: str
+    devices: int | None = Field(None, ge=1)
+    """Devices under one unit of this level; None: the whole cluster (the top level)."""
+    bandwidth_gbs: float = Field(gt=0)
+    """Per device, one direction, GB/s (NVLink: the board's per-GPU figure; between nodes: the NIC
+    bandwidth divided among the node's devices)."""
+    latency_us: float = Field(5.0, ge=0)
+    """Per message hop (a ring step)."""
+
+
+class StorageTier(_Section):
+    name: str
+    read_gbs: float = Field(gt=0)
+    """Per node, GB/s."""
+    write_gbs: float | None = Field(None, gt=0)
+
+
+class Calibration(_Section):
+    """The model's efficiency terms: what the hardware achieves of its datasheet figures. Defaults
+    are stated guesses; `raylib calibrate` fits them from real runs (perf/calibrate.py)."""
+
+    compute_efficiency: dict[str, float] = Field(
+        default_factory=lambda: {"fp32": 0.5, "fp16": 0.5, "bf16": 0.5, "tf32": 0.5})
+    """Achieved / peak FLOP/s of the model's matmuls, per precision."""
+    per_layer_overhead_s: float = Field(0.0, ge=0)
+    """Per layer per micro-batch (forward + backward): dispatch, launches, small ops."""
+    comm_efficiency: float = Field(0.8, gt=0, le=1)
+    """Achieved / link bandwidth of a collective (NCCL rings reach ~80% of the bus bandwidth)."""
+    latency_scale: float = Field(1.0, ge=0)
+    """Multiplies every level's latency (gloo on loopback: far above a NIC's)."""
+    memory_efficiency: float = Field(0.5, gt=0, le=1)
+    """Achieved / peak memory bandwidth of the optimizer step and the element-wise ops."""
+    overlap: float | None = Field(None, ge=0, le=1)
+    """The share of backward compute a gradient reduction can hide behind (overlap_comm); None:
+    1 on a GPU (a separate stream), 0 on CPU (gloo runs on the compute thread)."""
+    step_overhead_s: float = Field(0.0, ge=0)
+    """Per step: what no term models (Python, hooks, the host)."""
+    source: str = "defaults (not calibrated)"
+
+
+class ClusterSpec(_Section):
+    name: str | None = None
+    accelerator: str
+    """A catalogue key (v100, a100, h100, h200, cpu, asic, fpga) or a row's name."""
+    devices: int = Field(ge=1)
+    devices_per_node: int | None = Field(None, ge=1)
+    peak_flops: dict[str, float] | None = None
+    """Per device and precision (overrides the catalogue; a CPU's measured matmul)."""
+    memory_gb: float | None = Field(None, gt=0)
+    """Per device (a CPU worker: its share of the node)."""
+    memory_bandwidth_gbs: float | None = Field(None, gt=0)
+    tdp_w: float | None = Field(None, gt=0)
+    """Per device, W (overrides the catalogue)."""
+    levels: list[Level] | None = None
+    """Innermost first; None: the node (NVLink) and the cluster (the NIC share)."""
+    tiers: list[StorageTier] = Field(default_factory=list)
+    placement: str = Field("topology", pattern="^(topology|spread)$")
+    """topology: a group is packed into the smallest unit that holds it (raylib's planner);
+    spread: a topology-unaware scheduler's, every group of more than one device crosses the top level."""
+    price_per_device_hour: float | None = Field(None, ge=0)
+    price_per_kwh: float = Field(0.12, ge=0)
+    """USD; ~the US industrial average (EIA Electric Power Monthly, 2024: 8-9 cents) plus margin."""
+    pue: float = Field(1.3, ge=1.0)
+    """Uptime Institute's 2024 survey: a typical data centre's average PUE is ~1.5; modern ones ~1.2-1.3."""
+    calibration: Calibration = Field(default_factory=Calibration)
+
+    @model_validator(mode="after")
+    def _known(self) -> ClusterSpec:
+        from raylib.perf.catalogue import accelerator
+
+        row = accelerator(self.accelerator)  # ValueError naming the known keys
+        if self.levels is not None:
+            if not self.levels:
+                raise ValueError("levels is empty: give at least one level (e.g. {name: node, devices: "
+                                 "8, bandwidth_gbs: 300}) or leave levels out for the catalogue's")
+            if self.levels[-1].devices is not None and self.levels[-1].devices < self.devices:
+                raise ValueError(f"the top level {self.levels[-1].name!r} holds {self.levels[-1].devices} "
+                                 f"devices but the cluster has {self.devices}: add a level above it "
+                                 "(devices: null) with its bandwidth")
+        peaks = self.peak_flops if self.peak_flops is not None else row.peak_flops
+        if not peaks:
+            raise ValueError(f"accelerator {row.name!r} has no peak FLOP/s in the catalogue: give peak_flops")
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> ClusterSpec:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"cluster file {path} not found")
+        data: dict[str, Any] = yaml.safe_load(path.read_text()) or {}
+        for item in overrides or []:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"--set {item!r}: expected key=value, e.g. devices=16")
+            node = data
+            *parents, leaf = key.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = yaml.safe_load(value)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ValueError(f"{path}: {_first_error(e)}") from None
+
+    # -- what the catalogue fills in ----------------------------------------------------------
+
+    @property
+    def row(self):
+        from raylib.perf.catalogue import accelerator
+
+        return accelerator(self.accelerator)
+
+    @property
+    def per_node(self) -> int:
+        return self.devices_per_node or self.row.devices_per_node
+
+    def peak(self, precision: str) -> float:
+        peaks = self.peak_flops if self.peak_flops is not None else self.row.peak_flops
+        if precision in peaks:
+            return float(peaks[precision])
+        raise ValueError(f"{self.row.name} has no {precision} peak in {sorted(peaks)}: choose one of those "
+                         "precisions or give peak_flops for it in the cluster file")
+
+    @property
+    def memory_bytes(self) -> float:
+        return (self.memory_gb or self.row.memory_gb) * 1e9
+
+    @property
+    def memory_gbs(self) -> float:
+        return self.memory_bandwidth_gbs or self.row.memory_bandwidth_gbs
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.row.kind != "cpu"
+
+    def topology(self) -> list[Level]:
+        if self.levels is not None:
+            return list(self.levels)
+        row = self.row
+        return [Level(name="node", devices=self.per_node, bandwidth_gbs=row.link_gbs, latency_us=3.0),
+                Level(name="cluster", devices=None, bandwidth_gbs=row.nic_gbs, latency_us=8.0)]
+
+    def level_for(self, group: int, stride: int = 1) -> Level | None:
+        """The outermost level a ring of `group` ranks crosses (None: one rank, no traffic); the
+        ranks sit `stride` devices apart (a data-parallel ring over tensor-parallel groups)."""
+        if group <= 1:
+            return None
+        levels = self.topology()
+        if self.placement == "spread":
+            return levels[-1] if self.devices > (levels[0].devices or self.devices) else levels[0]
+        span = group * stride
+        for level in levels:
+            if level.devices is None or span <= level.devices:
+                return level
+        return levels[-1]
+
+    def ring_hops(self, group: int, stride: int = 1) -> list[tuple[int, Level]]:
+        """(hops, level) of one pass of a ring over `group` ranks `stride` devices apart: it visits
+        each unit of the crossed level's inner level once (NCCL orders its rings so), so units - 1
+        hops cross the level and the rest stay inside a unit (a spread placement: every hop crosses)."""
+        level = self.level_for(group, stride)
+        if level is None:
+            return []
+        levels = self.topology()
+        i = levels.index(level)
+        if self.placement == "spread" or i == 0:
+            return [(group - 1, level)]
+        inner = levels[i - 1]
+        per_unit = max(1, (inner.devices or 1) // stride)
+        units = -(-group // per_unit)
+        return [(units - 1, level), (group - units, inner)]
+
+    def price(self) -> float | None:
+        stated = self.price_per_device_hour
+        return stated if stated is not None else self.row.price_per_hour_usd
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(x) for x in err["loc"]) or "cluster"
+    return f"{where}: {err['msg']}"

@@ -1,0 +1,43 @@
+"""What a finished run cost (summary.json `cost`): device-hours, their price, per million tokens,
+and the energy bill. Devices are paid for while they are held: the run's wall time, start-up and
+checkpoints included, not only its steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def device_price(spec, summary: dict[str, Any]) -> tuple[float | None, str]:
+    """(price per device-hour, where it comes from): the JobSpec's, else the catalogue's cloud
+    price for the GPU the run's MFU peak was read for; a CPU run has none unless stated."""
+    if spec.cost.price_per_device_hour is not None:
+        return spec.cost.price_per_device_hour, "cost.price_per_device_hour"
+    from raylib.perf.catalogue import CATALOGUE
+
+    source = (summary.get("utilisation") or {}).get("peak_source") or ""
+    for row in CATALOGUE:
+        if source.startswith("catalogue:") and row.name in source and row.price_per_hour_usd is not None:
+            return row.price_per_hour_usd, f"catalogue: {row.name} cloud on-demand"
+    return None, "none stated (set cost.price_per_device_hour)"
+
+
+def run_cost(spec, summary: dict[str, Any]) -> dict[str, Any]:
+    devices = summary["world_size"]
+    device_hours = devices * summary["wall_s"] / 3600
+    steps_run = summary["steps"] - summary["start_step"]
+    tokens = steps_run * summary["global_batch_size"] * summary["seq_len"]
+    price, source = device_price(spec, summary)
+    cost = device_hours * price if price is not None else None
+    energy = ((summary.get("telemetry") or {}).get("energy") or {})
+    kwh = energy.get("facility_kwh", energy.get("kwh"))
+    energy_cost = kwh * spec.cost.price_per_kwh if kwh is not None else None
+    total = None if cost is None and energy_cost is None else (cost or 0.0) + (energy_cost or 0.0)
+    return {
+        "currency": spec.cost.currency, "device_hours": device_hours, "price_per_device_hour": price,
+        "price_source": source, "device_cost": cost, "energy_kwh": kwh,
+        "energy_basis": ("facility (x PUE)" if "facility_kwh" in energy else "IT (no telemetry.pue)")
+        if kwh is not None else None,
+        "energy_estimate": energy.get("estimate"), "price_per_kwh": spec.cost.price_per_kwh,
+        "energy_cost": energy_cost, "total": total,
+        "per_million_tokens": total / tokens * 1e6 if total is not None and tokens else None,
+    }

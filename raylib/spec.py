@@ -300,9 +300,10 @@ class DataSpec(_Section):
     """Seed of the per-epoch shuffle (of the shards' order, and of the rows without tiers)."""
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
     """fsspec options for `path` (s3://...: endpoint etc.; credentials come from the environment)."""
-    prefetch_batches: int = Field(4, ge=1)
+    prefetch_batches: int = Field(4, ge=0)
     """Micro-batches each rank prepares ahead of the training step (read, decode, mask): the
-    data-loader parallelism that hides input latency (autotuned by `raylib tune`)."""
+    data-loader parallelism that hides input latency (autotuned by `raylib tune`). 0: a
+    synchronous input pipeline, the training thread prepares each batch itself (a baseline)."""
     reader: Literal["rank", "ray_data"] = "rank"
     """rank: every rank reads its own planned shard order through a prefetcher, in a thread of
     its process (through `tiers`, or without them through one implicit cache tier in the node's

@@ -130,13 +130,16 @@ class TieredPipeline:
         caps = {t.name: t.capacity // max(1, local_ranks) for t in spec.data.tiers}
         self.prefetcher = Prefetcher(self.store, self.accesses, spec.data.prefetch, start=start,
                                      capacities=caps)
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_batches)
         self._stop = threading.Event()
         self._t0 = time.monotonic()
         self.timeline: list[dict[str, Any]] = []
         self.wait_s = 0.0
+        # queue_batches 0: synchronous, the training thread reads, decodes and masks each batch
+        self._sync = self._items() if queue_batches == 0 else None
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_batches))
         self._thread = threading.Thread(target=self._produce, name="raylib-pipeline", daemon=True)
-        self._thread.start()
+        if self._sync is None:
+            self._thread.start()
 
     # ---------------------------------------------------------------------------- consumer side
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -144,7 +147,7 @@ class TieredPipeline:
 
     def __next__(self) -> dict[str, Any]:
         t = time.perf_counter()
-        item = self._queue.get()
+        item = next(self._sync, _END) if self._sync is not None else self._queue.get()
         self.wait_s += time.perf_counter() - t
         if item is _END:
             raise RuntimeError(f"the planned sequence ran out after {self.rows_done} rows "
@@ -172,6 +175,8 @@ class TieredPipeline:
 
     def close(self) -> None:
         self._stop.set()
+        if self._sync is not None:
+            self._sync.close()
         while self._thread.is_alive():  # unblock a producer waiting on a full queue
             try:
                 self._queue.get_nowait()
@@ -208,26 +213,30 @@ class TieredPipeline:
         order = rng.permutation(n)
         return {k: v[order] for k, v in rows.items()}
 
-    def _produce(self) -> None:
+    def _items(self) -> Iterator[dict[str, Any]]:
+        """The rank's micro-batches in order: read, decode, mask, to the device."""
         import torch
 
         carry: dict[str, np.ndarray] | None = None
+        for access, path in self.prefetcher:
+            rows = self._rows(access, path)
+            if self._skip_rows:
+                rows, self._skip_rows = {k: v[self._skip_rows:] for k, v in rows.items()}, 0
+            self._record(access)
+            carry = rows if carry is None else {k: np.concatenate([carry[k], v]) for k, v in rows.items()}
+            while len(carry["input_ids"]) >= self.micro:
+                batch = {k: v[: self.micro] for k, v in carry.items()}
+                carry = {k: v[self.micro:] for k, v in carry.items()}
+                prepared = self.task.prepare(batch)
+                yield {k: torch.from_numpy(v).to(self.device) if self.device is not None
+                       else torch.from_numpy(v) for k, v in prepared.items()}
+            if self._stop.is_set():
+                return
+
+    def _produce(self) -> None:
         try:
-            for access, path in self.prefetcher:
-                rows = self._rows(access, path)
-                if self._skip_rows:
-                    rows, self._skip_rows = {k: v[self._skip_rows:] for k, v in rows.items()}, 0
-                self._record(access)
-                carry = rows if carry is None else {k: np.concatenate([carry[k], v]) for k, v in rows.items()}
-                while len(carry["input_ids"]) >= self.micro:
-                    batch = {k: v[: self.micro] for k, v in carry.items()}
-                    carry = {k: v[self.micro:] for k, v in carry.items()}
-                    prepared = self.task.prepare(batch)
-                    item = {k: torch.from_numpy(v).to(self.device) if self.device is not None
-                            else torch.from_numpy(v) for k, v in prepared.items()}
-                    if not self._put(item):
-                        return
-                if self._stop.is_set():
+            for item in self._items():
+                if not self._put(item):
                     return
             self._put(_END)
         except BaseException as e:  # handed to the training loop, which raises it

@@ -1,15 +1,20 @@
 """Fit the model's efficiency terms to measured runs (their summary.json time breakdown).
 
 Each measured run gives, per step, the median step time and the loop's parts (telemetry issue:
-compute, communication, optimizer, data_wait, checkpoint). Three small least-squares fits, each
+compute, communication, optimizer, data_wait, checkpoint). Three least-squares fits, each
 with a physical meaning, on the runs' own predicted terms:
 
-- compute = FLOPs/peak / efficiency + per_layer_overhead x layers x micro-batches + element-wise
-  bytes / (memory bandwidth x memory_efficiency): the compute efficiency and the per-layer
-  overhead (per precision: the runs of that precision), element-wise bytes at the memory
-  efficiency the optimizer fit gives;
-- optimizer = owned state bytes / (memory bandwidth x memory_efficiency);
-- communication = ring bytes / (link bandwidth x comm_efficiency) + ring steps x latency x scale;
+- compute = FLOPs/peak / efficiency (the score matmuls at their roofline; the weight matmuls
+  slowed at small micro-batches by Hockney's n1/2) + element-wise bytes /
+  (memory bandwidth x memory_efficiency) + per_layer_overhead x layers x micro-batches +
+  all of it x (1 + contention x the share of the node's other cores busy) on CPU nodes, the weight
+  matmuls x (1 + n1/2 / tokens per micro-batch): four coefficients in one linear fit (per
+  precision for the efficiency), the contention by a 1-D search around it;
+- optimizer = owned state bytes / (memory bandwidth x optimizer_efficiency), per ZeRO stage too
+  (ZeRO-1/2's step all-gathers the weights, a different implementation);
+- communication = ring bytes / (link bandwidth x comm_efficiency) + ring steps x latency x scale,
+  with each ZeRO stage's own bandwidth efficiency when the runs cover several (its reduction is a
+  different implementation: one all-reduce at ZeRO-0, bucketed reductions per micro-batch at 2);
 - step_overhead = the median of what is left of the step (never negative).
 
 Non-negative least squares (a column fitted negative is dropped and the rest refitted): a noisy
@@ -68,49 +73,128 @@ def _nnls(columns: list[np.ndarray], y: np.ndarray) -> list[float]:
     return [0.0] * len(columns)
 
 
-def calibrate(runs: list[Measured], cluster: ClusterSpec) -> Calibration:
+# The optional compute terms (beside the matmul efficiency): Hockney's n1/2, the element-wise
+# memory efficiency, the per-layer overhead. Which of them the runs support is chosen by
+# leave-one-out prediction error over the runs themselves (never over runs scored later).
+OPTIONAL_TERMS = ("half_rate", "memory", "per_layer")
+
+
+def calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...] | None = None) -> Calibration:
+    """Fit the calibration; `terms`: the optional compute terms to fit (None: chosen by
+    leave-one-out over `runs` when there are at least 6 of them, else all)."""
     if not runs:
         raise ValueError("calibrate needs at least one measured run")
+    if terms is None:
+        terms = select_terms(runs, cluster) if len(runs) >= 6 else OPTIONAL_TERMS
+    return _calibrate(runs, cluster, terms)
+
+
+def select_terms(runs: list[Measured], cluster: ClusterSpec) -> tuple[str, ...]:
+    """The subset of OPTIONAL_TERMS with the least mean |error| predicting each run from the others."""
+    import itertools
+
+    def loo(terms: tuple[str, ...]) -> float:
+        errors = []
+        for i, held in enumerate(runs):
+            fitted = replace_cal(cluster, _calibrate(runs[:i] + runs[i + 1:], cluster, terms))
+            errors.append(abs(predict(held.workload, fitted).step_s / held.step_s - 1))
+        return statistics.mean(errors)
+
+    subsets = [t for n in range(len(OPTIONAL_TERMS) + 1) for t in itertools.combinations(OPTIONAL_TERMS, n)]
+    return min(subsets, key=loo)
+
+
+def _calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...]) -> Calibration:
     # unit terms: predictions with efficiency 1, no overheads, latency scale 1
     unit = Calibration(compute_efficiency={p: 1.0 for p in ("fp32", "fp16", "bf16", "tf32")},
                        per_layer_overhead_s=0.0, comm_efficiency=1.0, latency_scale=1.0,
-                       memory_efficiency=1.0, step_overhead_s=0.0, overlap=0.0)
+                       memory_efficiency=1.0, optimizer_efficiency=1.0, contention=0.0,
+                       step_overhead_s=0.0, overlap=0.0)
     base = replace_cal(cluster, unit)
 
-    # optimizer -> memory efficiency
-    opt_x = np.array([predict(r.workload, base).parts_s["optimizer"] for r in runs])
-    opt_y = np.array([r.parts_s["optimizer"] for r in runs])
-    memory_efficiency = float(min(1.0, max(1e-3, opt_x @ opt_x / (opt_x @ opt_y)))) if opt_y.any() else 0.5
+    # optimizer -> optimizer efficiency, overall and per ZeRO stage
+    def ratio_fit(rows: list[Measured], part: str, model_part) -> float | None:
+        x = np.array([model_part(r) for r in rows])
+        y = np.array([r.parts_s[part] for r in rows])
+        return float(min(1.0, max(1e-3, x @ x / (x @ y)))) if y.any() and x.any() else None
 
-    # compute per precision -> efficiency, per-layer overhead
-    efficiency: dict[str, float] = {}
-    per_layer: list[float] = []
+    def optimizer_s(r: Measured) -> float:
+        return predict(r.workload, base).parts_s["optimizer"]
+
+    optimizer_efficiency = ratio_fit(runs, "optimizer", optimizer_s) or 0.5
+    stages = sorted({r.workload.strategy.zero_stage for r in runs})
+    by_stage: dict[int, dict[str, float]] = {}
+    for stage in stages:
+        of_stage = [r for r in runs if r.workload.strategy.zero_stage == stage]
+        value = ratio_fit(of_stage, "optimizer", optimizer_s)
+        if value is not None and len(stages) > 1:
+            by_stage.setdefault(stage, {})["optimizer_efficiency"] = value
+
+    # compute per precision -> matmul efficiency, element-wise memory efficiency, per-layer
+    # overhead; and the contention of a CPU node's shared cores (a 1-D search: the fit is linear
+    # for a given contention)
     unlimited = cluster.model_copy(update={"memory_bandwidth_gbs": 1e12, "calibration": unit})
-    for precision in sorted({r.workload.strategy.precision for r in runs}):
-        rows = [r for r in runs if r.workload.strategy.precision == precision]
-        terms = []
-        for r in rows:
-            w = r.workload
-            flops_s = predict(w, unlimited).parts_s["compute"]  # every matmul at the peak
-            at_memory = predict(w, base).parts_s["compute"]
-            scores_s = score_flops_s(w, unlimited)
-            score_bytes_s = at_memory - (flops_s - scores_s)  # the score matmuls' bytes at full bandwidth
-            elementwise = predict(w, base).parts_s["elementwise"] / memory_efficiency
-            terms.append((flops_s, scores_s, score_bytes_s / memory_efficiency,
-                          w.shape.layers / w.strategy.pipeline_parallel * w.accumulation,
-                          r.parts_s["compute"] - elementwise))
-        inv_eff = 1.0
-        for _ in range(20):  # the roofline's max() is fixed per run at the current efficiency
-            matmul, layer_passes, y = [], [], []
-            for flops_s, scores_s, bytes_s, passes, target in terms:
-                bound = bytes_s > inv_eff * scores_s  # the score matmuls wait on memory
-                matmul.append(flops_s - scores_s if bound else flops_s)
-                layer_passes.append(passes)
-                y.append(target - bytes_s if bound else target)
-            inv_eff, overhead = _nnls([np.array(matmul), np.array(layer_passes)], np.array(y)) \
-                if len(rows) > 1 else (_nnls([np.array(matmul)], np.array(y))[0], 0.0)
-        efficiency[precision] = min(1.0, 1.0 / inv_eff) if inv_eff > 0 else 1.0
-        per_layer.append(overhead)
+    obs = []
+    for r in runs:
+        w = r.workload
+        at_memory = predict(w, base)
+        flops_s = predict(w, unlimited).parts_s["compute"]  # every matmul at the peak
+        scores_s = score_flops_s(w, unlimited)
+        score_bytes_s = at_memory.parts_s["compute"] - (flops_s - scores_s)  # at full bandwidth
+        obs.append((w.strategy.precision, flops_s, scores_s, score_bytes_s,
+                      at_memory.parts_s["elementwise"],
+                      w.shape.layers / w.strategy.pipeline_parallel * w.accumulation, w.micro_batch * w.seq_len,
+                      cluster.busy_share(min(cluster.per_node, w.world)), r.parts_s["compute"]))
+
+    def fit_compute(contention: float) -> tuple[float, dict[str, list[float]]]:
+        error, fits = 0.0, {}
+        for precision in sorted({t[0] for t in obs}):
+            rows = [t for t in obs if t[0] == precision]
+            fit = [1.0, 0.0, 1.0, 0.0]  # 1/efficiency, n1/2/efficiency, 1/memory efficiency, per layer
+            pattern = None
+            for _ in range(20):  # the roofline's max() is fixed per run at the current fit
+                bounds = [bytes_s * fit[2] > fit[0] * scores_s for _, _, scores_s, bytes_s, *_ in rows]
+                if bounds == pattern:
+                    break
+                pattern = bounds
+                cols: list[list[float]] = [[], [], [], []]
+                for _, flops_s, scores_s, bytes_s, elementwise_s, passes, tokens, busy, _ in rows:
+                    bound = bytes_s * fit[2] > fit[0] * scores_s  # the score matmuls wait on memory
+                    k = 1 + contention * busy
+                    cols[0].append(k * (flops_s - scores_s if bound else flops_s))
+                    cols[1].append(k * (flops_s - scores_s) / tokens)
+                    cols[2].append(k * (elementwise_s + (bytes_s if bound else 0.0)))
+                    cols[3].append(k * passes)
+                use = [True, "half_rate" in terms, "memory" in terms, "per_layer" in terms]
+                a = np.stack([np.array(c) if on else np.zeros(len(c)) for c, on in zip(cols, use, strict=True)],
+                             axis=1)
+                y = np.array([t[-1] for t in rows])
+                if not use[2]:  # held at the nominal bandwidth, not dropped: the model still counts it
+                    y = y - np.array(cols[2])
+                    fit[2] = 1.0
+                fit = _nnls(list(a.T), y) if len(rows) > 3 else _nnls([a[:, 0]], y) + [0.0, 0.0, 0.0]
+                if not use[2]:
+                    fit[2] = 1.0
+            fits[precision] = fit
+            error += float(np.sum((a @ np.array(fit) - y) ** 2 / np.maximum(y, 1e-9) ** 2))
+        return error, fits
+
+    shared = any(t[7] > 0 for t in obs) and any(t[7] == 0 for t in obs)
+    grid = np.linspace(0.0, 2.0, 41) if shared else np.array([0.0])
+    contention = float(min(grid, key=lambda c: fit_compute(float(c))[0]))
+    if shared:  # refine between the grid's neighbours (golden-section)
+        lo, hi = max(0.0, contention - 0.05), contention + 0.05
+        for _ in range(45):
+            a, b = hi - 0.618 * (hi - lo), lo + 0.618 * (hi - lo)
+            lo, hi = (lo, b) if fit_compute(a)[0] <= fit_compute(b)[0] else (a, hi)
+        contention = (lo + hi) / 2
+    _, fits = fit_compute(contention)
+    # not clipped at 1: on CPU the peak is a measured matmul, which a model's matmuls can beat
+    efficiency = {p: (1.0 / f[0] if f[0] > 0 else 1.0) for p, f in fits.items()}
+    half_rate = statistics.mean(f[1] / f[0] if f[0] > 0 else 0.0 for f in fits.values())
+    inv_memory = statistics.mean(f[2] for f in fits.values())
+    memory_efficiency = min(1.0, 1.0 / inv_memory) if inv_memory > 0 else 1.0
+    per_layer = [f[3] for f in fits.values()]
 
     # communication -> bandwidth efficiency, latency scale
     comm_runs = [r for r in runs if r.workload.dp > 1 or r.workload.strategy.tensor_parallel > 1]
@@ -126,12 +210,23 @@ def calibrate(runs: list[Measured], cluster: ClusterSpec) -> Calibration:
         if fit[0] > 0:
             comm_efficiency = min(1.0, 1.0 / fit[0])
         latency_scale = fit[1] if len(fit) > 1 else 0.0
+        if len(stages) > 1:  # each stage's own bandwidth efficiency, at the common latency
+            for stage in stages:
+                idx = [i for i, r in enumerate(comm_runs) if r.workload.strategy.zero_stage == stage]
+                if not idx:
+                    continue
+                left = y[idx] - latency_scale * lat[idx]
+                x = bw[idx]
+                if (left > 0).any() and x.any():
+                    by_stage.setdefault(stage, {})["comm_efficiency"] = float(min(1.0, x @ x / (x @ left)))
 
     fitted = Calibration(compute_efficiency=efficiency, per_layer_overhead_s=statistics.mean(per_layer),
                          comm_efficiency=comm_efficiency, latency_scale=latency_scale,
-                         memory_efficiency=memory_efficiency, overlap=cluster.calibration.overlap,
-                         step_overhead_s=0.0, source=f"calibrated on {len(runs)} run(s): "
-                         + ", ".join(r.label for r in runs if r.label))
+                         memory_efficiency=memory_efficiency, optimizer_efficiency=optimizer_efficiency,
+                         contention=contention, half_rate_tokens=half_rate, by_zero_stage=by_stage,
+                         overlap=cluster.calibration.overlap,
+                         step_overhead_s=0.0, source=f"calibrated on {len(runs)} run(s) (terms: "
+                         f"efficiency{''.join(', ' + t for t in terms)}): " + ", ".join(r.label for r in runs if r.label))
     with_fit = replace_cal(cluster, fitted)
     rest = [r.step_s - predict(r.workload, with_fit).step_s for r in runs]
     return fitted.model_copy(update={"step_overhead_s": max(0.0, statistics.median(rest))})

@@ -48,6 +48,9 @@ class Calibration(_Section):
     compute_efficiency: dict[str, float] = Field(
         default_factory=lambda: {"fp32": 0.5, "fp16": 0.5, "bf16": 0.5, "tf32": 0.5})
     """Achieved / peak FLOP/s of the model's matmuls, per precision."""
+    half_rate_tokens: float = Field(0.0, ge=0)
+    """Hockney's n1/2 of the weight matmuls: the tokens per micro-batch at which they run at half
+    their large-matrix rate (a small micro-batch underuses the device)."""
     per_layer_overhead_s: float = Field(0.0, ge=0)
     """Per layer per micro-batch (forward + backward): dispatch, launches, small ops."""
     comm_efficiency: float = Field(0.8, gt=0, le=1)
@@ -59,9 +62,26 @@ class Calibration(_Section):
     overlap: float | None = Field(None, ge=0, le=1)
     """The share of backward compute a gradient reduction can hide behind (overlap_comm); None:
     1 on a GPU (a separate stream), 0 on CPU (gloo runs on the compute thread)."""
+    optimizer_efficiency: float = Field(0.5, gt=0, le=1)
+    """Achieved / peak memory bandwidth of the optimizer step (DeepSpeed's fused or CPU Adam)."""
+    by_zero_stage: dict[int, dict[str, float]] = Field(default_factory=dict)
+    """Per ZeRO stage, comm_efficiency and optimizer_efficiency where that stage's implementation
+    differs (measured with gloo: ZeRO-0's all-reduce moves gradients 2.5x faster than ZeRO-2's
+    bucketed reduction, and ZeRO-1/2's step includes the weights' all-gather)."""
+    contention: float = Field(0.0, ge=0)
+    """Where the devices are a node's own cores (host_cores_per_node): the extra compute time of a
+    rank when every core of its node trains, as a fraction (linear in the share of the node's other
+    cores that are busy). The cores share memory bandwidth, caches and the collectives' helper
+    threads: measured here, one rank of 2 on this 2-core machine computes ~1.4x slower than one
+    alone, although a matmul alone does not slow down."""
     step_overhead_s: float = Field(0.0, ge=0)
     """Per step: what no term models (Python, hooks, the host)."""
     source: str = "defaults (not calibrated)"
+
+
+def stage_value(cal: Calibration, name: str, stage: int) -> float:
+    """`name` (comm_efficiency, optimizer_efficiency) for ZeRO `stage`: its own, else the common one."""
+    return float(cal.by_zero_stage.get(stage, {}).get(name, getattr(cal, name)))
 
 
 class ClusterSpec(_Section):
@@ -77,6 +97,10 @@ class ClusterSpec(_Section):
     memory_bandwidth_gbs: float | None = Field(None, gt=0)
     tdp_w: float | None = Field(None, gt=0)
     """Per device, W (overrides the catalogue)."""
+    host_cores_per_node: float | None = Field(None, gt=0)
+    """Only where the devices are the host's own cores (a CPU cluster, this machine): the cores a
+    node has, shared by its ranks (calibration.contention). None: the devices are accelerators."""
+    cores_per_device: float = Field(1.0, gt=0)
     levels: list[Level] | None = None
     """Innermost first; None: the node (NVLink) and the cluster (the NIC share)."""
     tiers: list[StorageTier] = Field(default_factory=list)
@@ -195,6 +219,13 @@ class ClusterSpec(_Section):
         per_unit = max(1, (inner.devices or 1) // stride)
         units = -(-group // per_unit)
         return [(units - 1, level), (group - units, inner)]
+
+    def busy_share(self, ranks_on_node: int) -> float:
+        """The share of a rank's node's other cores that train beside it (0 off shared-core nodes)."""
+        if self.host_cores_per_node is None or self.host_cores_per_node <= self.cores_per_device:
+            return 0.0
+        others = (ranks_on_node - 1) * self.cores_per_device
+        return max(0.0, min(1.0, others / (self.host_cores_per_node - self.cores_per_device)))
 
     def price(self) -> float | None:
         stated = self.price_per_device_hour

@@ -53,7 +53,8 @@ def workload_of(spec, index=None) -> Workload:
     return Workload(config=config, shape=shape, strategy=s, world=spec.world_size, micro_batch=micro,
                     accumulation=accum, seq_len=index.seq_len,
                     head=spec.task.type in ("masked_lm", "causal_lm"),
-                    bytes_per_sample=index.seq_len * BYTES_PER_TOKEN, data_tier="cold", prefetch=True,
+                    bytes_per_sample=index.seq_len * BYTES_PER_TOKEN, data_tier="cold",
+                    prefetch=spec.data.prefetch_batches > 0,
                     checkpoint_interval=spec.checkpoint.interval_steps,
                     in_memory_checkpoint=spec.checkpoint.in_memory,
                     compression_ratio=compression_ratio(shape, s.compression, s.precision))
@@ -61,11 +62,14 @@ def workload_of(spec, index=None) -> Workload:
 
 def local_cluster(spec, calibration=None) -> ClusterSpec:
     """This machine as a cluster: one CPU 'device' per Ray Train worker (its cpus_per_worker
-    threads), the peak its matmul measures (cached, as MFU uses), one level (the host), the job's
-    tiers at their stated bandwidth (else a local disk's order)."""
+    threads) on one node of os.cpu_count() cores, the peak its matmul measures (cached, as MFU
+    uses), memory bandwidth 40 GB/s (measured here: a 1-thread add of 128 MB arrays moves 45 GB/s
+    alone, 37 each with both cores busy; the calibration scales it), one level (the host, a nominal
+    5 GB/s the calibration scales), the job's tiers at their stated bandwidth (else a local disk's
+    order)."""
     import os
 
-    from raylib.telemetry.flops import peak_flops
+    from raylib.telemetry.flops import cpu_model, peak_flops
 
     threads = max(1, int(spec.scaling.cpus_per_worker))
     peaks = {p: peak_flops("cpu", p, threads=threads).flops for p in ("fp32", "bf16")}
@@ -73,9 +77,11 @@ def local_cluster(spec, calibration=None) -> ClusterSpec:
     tiers = [StorageTier(name=t.name, read_gbs=(t.bandwidth or 1e9) / 1e9) for t in spec.data.tiers]
     tiers.append(StorageTier(name="cold", read_gbs=0.2))  # local disk or loopback S3
     data: dict[str, Any] = {
-        "name": "this machine", "tdp_w": 10.0 * threads,  # telemetry's estimate: 10 W per busy core
+        "name": f"this machine: {threads} core(s) of {cpu_model()} per worker",
+        "tdp_w": 10.0 * threads,  # telemetry's estimate: 10 W per busy core
         "accelerator": "cpu", "devices": spec.world_size, "devices_per_node": spec.world_size,
-        "peak_flops": peaks, "memory_gb": memory / spec.world_size / 1e9, "memory_bandwidth_gbs": 10.0,
+        "host_cores_per_node": os.cpu_count(), "cores_per_device": spec.scaling.cpus_per_worker,
+        "peak_flops": peaks, "memory_gb": memory / spec.world_size / 1e9, "memory_bandwidth_gbs": 40.0,
         "levels": [{"name": "host", "devices": None, "bandwidth_gbs": 5.0, "latency_us": 20.0}],
         "tiers": [t.model_dump() for t in tiers], "price_per_device_hour": 0.05,
     }
@@ -139,8 +145,9 @@ def estimate_main(args: argparse.Namespace) -> int:
 
 def render(name: str, p: Prediction, cost: dict[str, Any], cluster: ClusterSpec, steps: int) -> str:
     gib = 1 << 30
-    device = cluster.name or cluster.row.name
-    lines = [f"{name} on {cluster.devices} x {device} ({cluster.calibration.source})",
+    where = f"{cluster.name}, {cluster.devices} devices" if cluster.name else \
+        f"{cluster.devices} x {cluster.row.name}"
+    lines = [f"{name} on {where} ({cluster.calibration.source})",
              f"  step        {p.step_s * 1e3:.1f} ms   MFU {p.mfu:.1%}   {p.tokens_per_s:,.0f} tokens/s   "
              f"bottleneck: {p.bottleneck}",
              "  breakdown   " + ", ".join(f"{k} {v:.0%}" for k, v in p.breakdown.items() if v >= 0.005),

@@ -4,8 +4,9 @@ Per rank and step (M micro-batches of b sequences of s tokens, data-parallel deg
 pipeline-parallel degrees t and p):
 
 - compute: the model's training FLOPs (telemetry/flops.py: the count MFU uses) over the device's
-  peak x a compute efficiency, plus a per-layer overhead per micro-batch (dispatch and launches:
-  what makes small models run below the matmul rate). Tensor parallelism divides the FLOPs by t.
+  peak x a compute efficiency; the weight matmuls slowed by (1 + n1/2 / tokens per micro-batch)
+  (Hockney's half-performance length: small matrices underuse the device), plus a per-layer
+  overhead per micro-batch (dispatch and launches). Tensor parallelism divides the FLOPs by t.
 - element-wise work (LayerNorm, GELU, softmax, dropout, the loss): memory-bound, ~3x the
   activation bytes Korthikanti et al. count (written forward, read twice backward) over the memory
   bandwidth; fused kernels save FUSED_SAVING of it.
@@ -25,6 +26,8 @@ pipeline-parallel degrees t and p):
   behind compute likewise. Nothing else overlaps.
 - optimizer: AdamW reads and writes ~16 bytes of state per trainable parameter it owns (ZeRO-1+:
   1/d of them) over the memory bandwidth.
+- contention: where the devices are a CPU node's own cores, a rank computes slower while its
+  node's other cores train too (calibration.contention; 0 for accelerators).
 - data: the bytes each rank reads per step over its node's storage-tier bandwidth (shared by the
   node's ranks), hidden behind the step when the tiered pipeline prefetches; plus host
   preprocessing per sample when the input pipeline is synchronous.
@@ -42,7 +45,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from raylib.perf.cluster import ClusterSpec
+from raylib.perf.cluster import ClusterSpec, stage_value
 
 FUSED_SAVING = 0.5  # fused LayerNorm/GELU/dropout-add/cross-entropy: ~half the element-wise bytes
 ADAM_BYTES_PER_PARAM = 16  # fp32 param, grad, m, v read + param, m, v written, ~16 B after caching
@@ -121,13 +124,14 @@ def _ring(kind: str, n: int, nbytes: float) -> float:
     return (2 if kind == "all_reduce" else 1) * (n - 1) / n * nbytes
 
 
-def _collective_s(kind: str, n: int, nbytes: float, messages: int, level, cal, hops=None) -> float:
+def _collective_s(kind: str, n: int, nbytes: float, messages: int, level, cal, hops=None,
+                  efficiency: float | None = None) -> float:
     """The bytes at the crossed level's bandwidth, plus per message (bucket) the ring's hops at
     their levels' latencies (cluster.ring_hops; default: every hop at the crossed level's)."""
     if level is None or n <= 1:
         return 0.0
     passes = 2 if kind == "all_reduce" else 1
-    bandwidth = level.bandwidth_gbs * 1e9 * cal.comm_efficiency
+    bandwidth = level.bandwidth_gbs * 1e9 * (cal.comm_efficiency if efficiency is None else efficiency)
     hop_s = sum(count * lv.latency_us * 1e-6 for count, lv in (hops or [(n - 1, level)]))
     return _ring(kind, n, nbytes) / bandwidth + messages * passes * hop_s * cal.latency_scale
 
@@ -173,8 +177,10 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
         4 * w.seq_len * h / tp + 2 * heads * w.seq_len ** 2)
     memory_rate = cluster.memory_gbs * 1e9 * cal.memory_efficiency
     score_s = max(score_flops / (peak * efficiency), score_bytes / memory_rate)
-    compute = (flops_rank - score_flops) / (peak * efficiency) + score_s + \
-        cal.per_layer_overhead_s * layers / pp * micro
+    # the weight matmuls (tokens x h by h x h'): small ones underuse the device, by Hockney's n1/2
+    tokens_micro = w.micro_batch * w.seq_len
+    weight_s = (flops_rank - score_flops) / (peak * efficiency) * (1 + cal.half_rate_tokens / tokens_micro)
+    compute = weight_s + score_s + cal.per_layer_overhead_s * layers / pp * micro
     # element-wise traffic: the tuner's activation bytes per micro-batch (its 16-bit-unit count)
     from raylib.tune.memory import _activations
 
@@ -182,6 +188,9 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
     elementwise = 3 * activations * micro / memory_rate
     if s.kernels in ("fused", "compile"):
         elementwise *= 1 - FUSED_SAVING
+    # a CPU node's cores share memory bandwidth and caches: a rank computes slower beside busy peers
+    shared = 1 + cal.contention * cluster.busy_share(min(cluster.per_node, w.world))
+    compute, elementwise = compute * shared, elementwise * shared
     if pp > 1:  # the bubble: (p-1) micro-batch slots of p+M-1 idle
         bubble = (pp - 1) / micro
         compute, elementwise = compute * (1 + bubble), elementwise * (1 + bubble)
@@ -199,15 +208,17 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
     weights = w.shape.params / (tp * pp) * act_bytes
     buckets = max(1, math.ceil(grads / (s.reduce_bucket_size * grad_bytes_each)))
     gathers = max(1, math.ceil(weights / (s.allgather_bucket_size * act_bytes)))
+    dp_eff = stage_value(cal, "comm_efficiency", s.zero_stage)
     if s.zero_stage == 0:
-        reduce = _collective_s("all_reduce", dp, grads, buckets, dp_level, cal, dp_hops)
+        reduce = _collective_s("all_reduce", dp, grads, buckets, dp_level, cal, dp_hops, dp_eff)
         gather = 0.0
     else:
         times = micro if s.zero_stage >= 2 else 1
-        reduce = times * _collective_s("reduce_scatter", dp, grads, buckets, dp_level, cal, dp_hops)
-        gather = _collective_s("all_gather", dp, weights, gathers, dp_level, cal, dp_hops)
+        reduce = times * _collective_s("reduce_scatter", dp, grads, buckets, dp_level, cal, dp_hops, dp_eff)
+        gather = _collective_s("all_gather", dp, weights, gathers, dp_level, cal, dp_hops, dp_eff)
         if s.zero_stage == 3:
-            gather = 2 * micro * _collective_s("all_gather", dp, weights, layers, dp_level, cal, dp_hops)
+            gather = 2 * micro * _collective_s("all_gather", dp, weights, layers, dp_level, cal, dp_hops,
+                                               dp_eff)
     backward = BACKWARD_SHARE * compute
     if s.overlap_comm:
         last = reduce / (buckets * (micro if s.zero_stage >= 2 else 1))
@@ -227,7 +238,9 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
 
     # optimizer: the states this rank owns
     owned = trainable / (tp * pp) / (dp if s.zero_stage >= 1 else 1)
-    optimizer = owned * ADAM_BYTES_PER_PARAM / (cluster.memory_gbs * 1e9 * cal.memory_efficiency)
+    optimizer = owned * ADAM_BYTES_PER_PARAM / (cluster.memory_gbs * 1e9 *
+                                                stage_value(cal, "optimizer_efficiency", s.zero_stage))
+    ranks_on_node = min(cluster.per_node, w.world)
 
     # data
     data_wait = 0.0
@@ -238,8 +251,7 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
             raise ValueError(f"the data streams from tier {w.data_tier!r} but the cluster file describes "
                              f"{[t.name for t in cluster.tiers] or 'no tiers'}: add it under tiers with "
                              "its read_gbs")
-        ranks_per_node = min(cluster.per_node, w.world)
-        load = samples_rank * w.bytes_per_sample * ranks_per_node / (tier.read_gbs * 1e9)
+        load = samples_rank * w.bytes_per_sample * ranks_on_node / (tier.read_gbs * 1e9)
         busy = compute + elementwise + communication + optimizer
         data_wait = max(0.0, load - busy) if w.prefetch else load
     if not w.prefetch:

@@ -420,6 +420,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override a field, e.g. utilisation=0.5 (repeatable)")
     p.add_argument("--example", choices=["brief"], help="start from the brief's per-token example "
                    "(125e9 tokens over 5 years, RMB)")
+    p.add_argument("--accelerator", metavar="KEY", help="take device_capex and the cloud price per "
+                   "device-hour from the accelerator catalogue (raylib/perf/catalogue.py: a100, h100 ...)")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of cost against years and utilisation")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
@@ -432,6 +434,17 @@ def main(args: argparse.Namespace) -> int:
     if args.example == "brief":
         data = brief_per_token_example().model_dump(exclude_defaults=True)
         notes = list(BRIEF_NOTES)
+    if getattr(args, "accelerator", None):  # the catalogue's figures, under any file or --set
+        from raylib.perf.catalogue import accelerator
+
+        row = accelerator(args.accelerator)
+        for field_name, value in (("device_capex", row.capex_usd), ("cloud_price_per_device_hour",
+                                                                    row.price_per_hour_usd)):
+            if value is None:
+                raise ValueError(f"--accelerator {args.accelerator}: the catalogue has no {field_name} for "
+                                 f"{row.name}; give it with --set {field_name}=...")
+            data[field_name] = value
+        notes.append(f"device capex and cloud price: the catalogue's {row.name} row (sources there)")
     if args.config:
         from raylib.fileio import load_yaml_mapping
 

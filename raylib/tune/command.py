@@ -19,6 +19,10 @@ def add_arguments(p) -> None:
     p.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded "
                    "local cluster)")
     p.add_argument("--out", help="output directory (default: <run.output_dir>/<name>-tune)")
+    p.add_argument("--predict", action="store_true",
+                   help="rank the search space by the performance model instead of running trials "
+                   "(nothing is reserved): predicted step, throughput, MFU and cost per million tokens")
+    p.add_argument("--cluster", help="with --predict: the cluster YAML to predict on (default: this machine)")
     p.add_argument("--resume", action="store_true",
                    help="continue the tuning run in the output directory (its driver died or was "
                    "stopped): finished trials are kept, unfinished ones resume")
@@ -31,6 +35,16 @@ def main(args) -> int:
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints on import: stdout is the report's
         spec = JobSpec.from_yaml(args.config, overrides=args.overrides)
         settings = TuneSpec.from_yaml(args.tune_file, args.tune_overrides)
+    if args.predict:
+        from raylib.perf.cluster import ClusterSpec
+        from raylib.perf.estimate import local_cluster
+        from raylib.tune import predicted
+
+        with contextlib.redirect_stdout(sys.stderr):
+            cluster = ClusterSpec.from_yaml(args.cluster) if args.cluster else local_cluster(spec)
+            rows = predicted.rank(spec, settings, cluster)
+        print(predicted.table(rows))
+        return 0
     try:
         with contextlib.redirect_stdout(sys.stderr):  # Tune's banner and the workers' logs
             result = tune(spec, settings, address=args.address, out_dir=args.out, resume=args.resume)

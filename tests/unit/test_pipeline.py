@@ -126,3 +126,17 @@ def test_the_rank_reader_without_tiers_reads_through_one_implicit_local_tier(tin
     with pytest.raises(ValueError, match="data.tiers are read by the rank reader"):
         JobSpec.from_dict({"data": {"reader": "ray_data",
                                     "tiers": [{"name": "hot", "url": "/x", "capacity": "1MB"}]}})
+
+
+def test_a_synchronous_pipeline_yields_the_same_batches_on_the_training_thread(tiny_dataset, tmp_path):
+    """data.prefetch_batches: 0 (the baseline input pipeline): no producer thread, the caller
+    prepares each batch, and the batches are those the prefetching pipeline yields."""
+    index = read_index(tiny_dataset)
+    largest = max(s["bytes"] for s in index.shards)
+    args = {"rank": 0, "world_size": 2, "micro_batch": 4, "rows_needed": 4 * 20}
+    threaded = _take(TieredPipeline(_spec(tiny_dataset, tmp_path / "a", hot=2 * largest), index, **args), 20)
+    sync = TieredPipeline(_spec(tiny_dataset, tmp_path / "b", hot=2 * largest, prefetch_batches=0), index,
+                          queue_batches=0, **args)
+    assert not sync._thread.is_alive()
+    for a, b in zip(threaded, _take(sync, 20), strict=True):
+        np.testing.assert_array_equal(a, b)

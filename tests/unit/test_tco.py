@@ -177,3 +177,17 @@ def test_cli_errors_are_value_errors(tmp_path):
         _cli(["--set", "utilisation"])
     with pytest.raises(ValueError, match="not found"):
         _cli(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_cli_takes_capex_and_cloud_price_from_the_catalogue(capsys):
+    from raylib.perf.catalogue import accelerator
+
+    a100 = accelerator("a100")
+    assert _cli(["--accelerator", "a100", "--json"]) == 0
+    spec = json.loads(capsys.readouterr().out)["spec"]
+    assert spec["device_capex"] == a100.capex_usd
+    assert spec["cloud_price_per_device_hour"] == a100.price_per_hour_usd
+    with pytest.raises(ValueError, match="no device_capex for Google TPU v4"):
+        _cli(["--accelerator", "asic"])
+    with pytest.raises(ValueError, match="tpu9"):
+        _cli(["--accelerator", "tpu9"])

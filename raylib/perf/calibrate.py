@@ -79,7 +79,8 @@ def _nnls(columns: list[np.ndarray], y: np.ndarray) -> list[float]:
 OPTIONAL_TERMS = ("half_rate", "memory", "per_layer")
 
 
-def calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...] | None = None) -> Calibration:
+def calibrate(runs: list[Measured], cluster: ClusterSpec,
+              terms: tuple[str, ...] | None = None) -> Calibration:
     """Fit the calibration; `terms`: the optional compute terms to fit (None: chosen by
     leave-one-out over `runs` when there are at least 6 of them, else all)."""
     if not runs:
@@ -143,7 +144,8 @@ def _calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...
         score_bytes_s = at_memory.parts_s["compute"] - (flops_s - scores_s)  # at full bandwidth
         obs.append((w.strategy.precision, flops_s, scores_s, score_bytes_s,
                       at_memory.parts_s["elementwise"],
-                      w.shape.layers / w.strategy.pipeline_parallel * w.accumulation, w.micro_batch * w.seq_len,
+                      w.shape.layers / w.strategy.pipeline_parallel * w.accumulation,
+                      w.micro_batch * w.seq_len,
                       cluster.busy_share(min(cluster.per_node, w.world)), r.parts_s["compute"]))
 
     def fit_compute(contention: float) -> tuple[float, dict[str, list[float]]]:
@@ -166,8 +168,8 @@ def _calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...
                     cols[2].append(k * (elementwise_s + (bytes_s if bound else 0.0)))
                     cols[3].append(k * passes)
                 use = [True, "half_rate" in terms, "memory" in terms, "per_layer" in terms]
-                a = np.stack([np.array(c) if on else np.zeros(len(c)) for c, on in zip(cols, use, strict=True)],
-                             axis=1)
+                a = np.stack([np.array(c) if on else np.zeros(len(c))
+                              for c, on in zip(cols, use, strict=True)], axis=1)
                 y = np.array([t[-1] for t in rows])
                 if not use[2]:  # held at the nominal bandwidth, not dropped: the model still counts it
                     y = y - np.array(cols[2])
@@ -226,7 +228,8 @@ def _calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...
                          contention=contention, half_rate_tokens=half_rate, by_zero_stage=by_stage,
                          overlap=cluster.calibration.overlap,
                          step_overhead_s=0.0, source=f"calibrated on {len(runs)} run(s) (terms: "
-                         f"efficiency{''.join(', ' + t for t in terms)}): " + ", ".join(r.label for r in runs if r.label))
+                         f"efficiency{''.join(', ' + t for t in terms)}): "
+                         + ", ".join(r.label for r in runs if r.label))
     with_fit = replace_cal(cluster, fitted)
     rest = [r.step_s - predict(r.workload, with_fit).step_s for r in runs]
     return fitted.model_copy(update={"step_overhead_s": max(0.0, statistics.median(rest))})

@@ -24,7 +24,7 @@ run must not buy a negative overhead that a bigger model would then pay back.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -82,11 +82,12 @@ OPTIONAL_TERMS = ("half_rate", "memory", "per_layer")
 def calibrate(runs: list[Measured], cluster: ClusterSpec,
               terms: tuple[str, ...] | None = None) -> Calibration:
     """Fit the calibration; `terms`: the optional compute terms to fit (None: chosen by
-    leave-one-out over `runs` when there are at least 6 of them, else all)."""
+    leave-one-out over `runs` when there are at least 6 of them; with fewer, none: a few runs
+    cannot tell four compute coefficients apart)."""
     if not runs:
         raise ValueError("calibrate needs at least one measured run")
     if terms is None:
-        terms = select_terms(runs, cluster) if len(runs) >= 6 else OPTIONAL_TERMS
+        terms = select_terms(runs, cluster) if len(runs) >= 6 else ()
     return _calibrate(runs, cluster, terms)
 
 
@@ -258,6 +259,3 @@ def score(runs: list[Measured], cluster: ClusterSpec) -> list[dict[str, Any]]:
                     "error": p.step_s / r.step_s - 1, "bottleneck": p.bottleneck,
                     "measured_parts_s": r.parts_s, "predicted_parts_s": p.parts_s})
     return out
-
-
-__all__ = ["Measured", "calibrate", "measured_from_summary", "score", "replace_cal", "replace"]

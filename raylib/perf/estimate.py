@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -198,6 +197,3 @@ def calibrate_main(args: argparse.Namespace) -> int:
     else:
         print(text)
     return 0
-
-
-__all__ = ["workload_of", "local_cluster", "cost_of", "estimate_main", "calibrate_main", "math"]

@@ -468,16 +468,61 @@ class StrategySpec(_Section):
     the fields above fill in what it leaves out or sets to "auto"."""
 
 
+class ElasticWorkers(_Section):
+    """An elastic job's bounds: it starts once `min` workers fit, grows towards `max` when capacity
+    frees up and shrinks (not below `min`) when a higher-priority job needs its accelerators;
+    each resize is a checkpoint and a restart at the new data-parallel size, with the global
+    batch kept (gradient accumulation adjusts). Needs placement.gang: true."""
+
+    min: int = Field(ge=1)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ElasticWorkers:
+        if self.min > self.max:
+            raise ValueError(f"scaling.num_workers: min={self.min} > max={self.max}; "
+                             "give min <= max (or one number for a fixed size)")
+        return self
+
+
 class ScalingSpec(_Section):
-    num_workers: int = Field(2, ge=1)
-    """Training workers (ranks); each wraps one DeepSpeed engine."""
+    num_workers: int | ElasticWorkers = 2
+    """Training workers (ranks); each wraps one DeepSpeed engine. {min, max}: an elastic job."""
     use_gpu: bool | Literal["auto"] = "auto"
     """auto: use one GPU per worker when the cluster has GPUs (NCCL), else CPU (gloo)."""
+    gpus_per_worker: float = 1.0
+    """The share of one accelerator each worker reserves (Ray's fractional GPU resource): below 1,
+    jobs share devices (the gang scheduler packs the fractions; on CUDA each worker's memory is
+    capped at this share of its device). On CPU-only training (use_gpu false) the share is taken
+    from the cluster's logical GPUs: placement works the same way."""
+    workload: Literal["auto", "compute", "io"] = "auto"
+    """How the job loads a node, for co-location: the gang scheduler may put an io-bound job on a
+    node beside a compute-bound one. auto: measured (the data-wait fraction of this run's last
+    part, else compute)."""
     cpus_per_worker: float = Field(1, gt=0)
     oversubscribe: bool = False
     """Embedded local cluster only: run more workers (x cpus_per_worker) than this machine has
     cores, with a warning. False: such a job is refused before Ray starts (join a real cluster
     with --address / RAY_ADDRESS instead)."""
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            return ElasticWorkers.model_validate(v)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if isinstance(v, ElasticWorkers):
+                return v
+            raise ValueError("give a positive number of workers, or {min: N, max: M} for an elastic job")
+        return v
+
+    @field_validator("gpus_per_worker")
+    @classmethod
+    def _share(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError(f"gpus_per_worker={v:g}: a worker drives one accelerator, or a share of one "
+                             "(0 < gpus_per_worker <= 1); for more accelerators use more workers")
+        return v
 
 
 class PlacementSpec(_Section):
@@ -769,11 +814,34 @@ class JobSpec(_Section):
                 f"scaling.num_workers={world} is not divisible by strategy.tensor_parallel x "
                 f"strategy.pipeline_parallel = {s.tensor_parallel} x {s.pipeline_parallel}; use a "
                 f"multiple of {s.tensor_parallel * s.pipeline_parallel} workers")
-        resolve_batch(s, self.dp_size, user)
+        if self.elastic:
+            self._check_elastic()
+        else:
+            resolve_batch(s, self.dp_size, user)
         if not self.telemetry.enabled and self.health.enabled and self.health.model_fields_set:
             raise ValueError("health rules read the telemetry, which telemetry.enabled: false turns off; "
                              "enable telemetry or set health.enabled: false")
         return self
+
+    def _check_elastic(self) -> None:
+        n = self.scaling.num_workers
+        if not self.placement.gang:
+            raise ValueError(f"scaling.num_workers={{min: {n.min}, max: {n.max}}} is elastic: the gang "
+                             "scheduler grows and shrinks it; set placement.gang: true (or give one number)")
+        if self.strategy.pipeline_parallel > 1:
+            raise ValueError("an elastic job cannot use pipeline_parallel > 1 (its stages are fixed); "
+                             "give scaling.num_workers one number")
+        sizes = self.elastic_sizes()
+        if sizes and self.world_size not in sizes:
+            raise ValueError(f"scaling.num_workers.max={n.max} is not a size this job can run at (the global "
+                             f"batch must divide into micro-batches over the workers); sizes that work: "
+                             f"{sizes}: lower max to {sizes[-1]}")
+        if self.min_world_size not in sizes:
+            micro, glob = self._elastic_batch()
+            raise ValueError(
+                f"scaling.num_workers.min={n.min}: the global batch {glob} does not divide into "
+                f"micro-batches of {micro} over {n.min} worker(s) (sizes that work: {sizes or 'none'}); "
+                "choose min among those, or a global_batch_size divisible by micro_batch_size x each size")
 
     # -- constructors ---------------------------------------------------------------------------
 
@@ -806,7 +874,55 @@ class JobSpec(_Section):
 
     @property
     def world_size(self) -> int:
-        return self.scaling.num_workers
+        """Workers; an elastic job's largest size (its batch arithmetic is planned there)."""
+        n = self.scaling.num_workers
+        return n.max if isinstance(n, ElasticWorkers) else n
+
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.scaling.num_workers, ElasticWorkers)
+
+    @property
+    def min_world_size(self) -> int:
+        n = self.scaling.num_workers
+        return n.min if isinstance(n, ElasticWorkers) else n
+
+    def elastic_sizes(self) -> list[int]:
+        """The worker counts this job may run at, ascending: multiples of tp x pp between min and
+        max at which the global batch divides into micro-batches (accumulation adjusts)."""
+        group = self.strategy.tensor_parallel * self.strategy.pipeline_parallel
+        micro, glob = self._elastic_batch()
+        return [n for n in range(self.min_world_size, self.world_size + 1)
+                if n % group == 0 and glob % (micro * (n // group)) == 0]
+
+    def _elastic_batch(self) -> tuple[int, int]:
+        """(micro-batch, global batch) an elastic job keeps at every size: resolved at its largest
+        size, or as given (micro_batch_size and global_batch_size) when that size does not divide."""
+        s = self.strategy
+        try:
+            micro, _, glob = resolve_batch(s, self.dp_size, self._user_ds())
+        except ValueError:
+            if s.micro_batch_size is None or s.global_batch_size is None:
+                raise
+            micro, glob = s.micro_batch_size, s.global_batch_size
+        return micro, glob
+
+    def resized(self, workers: int) -> JobSpec:
+        """This job at a fixed `workers` (one of elastic_sizes()): same micro-batch and global
+        batch, the accumulation adjusted."""
+        if workers not in self.elastic_sizes():
+            raise ValueError(f"{workers} worker(s) is not a size job {self.name!r} can run at; "
+                             f"its sizes: {self.elastic_sizes()}")
+        micro, glob = self._elastic_batch()
+        out = self.model_copy(deep=True)
+        out.scaling.num_workers = workers
+        out.strategy.micro_batch_size, out.strategy.global_batch_size = micro, glob
+        out.strategy.gradient_accumulation_steps = None
+        return out
+
+    def _user_ds(self) -> dict[str, Any]:
+        return load_json_or_path(self.strategy.deepspeed_config) \
+            if self.strategy.deepspeed_config is not None else {}
 
     @property
     def dp_size(self) -> int:

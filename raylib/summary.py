@@ -145,6 +145,8 @@ def summarize(spec, history: RunHistory, index, ds_config: dict[str, Any],
         "rank_nodes": history.rank_nodes,
         "planned_nodes": history.planned_nodes,
         "preemptions": history.preemptions,
+        "segments": history.segments,
+        "device_share": history.device_share,  # per fit: first step, steps, workers, global batch
         "peak_memory_bytes": history.peak_memory_bytes,
         "param_elements_per_rank": history.param_elements,
         "shard_digests": history.shard_digests,

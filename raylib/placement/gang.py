@@ -55,12 +55,15 @@ class GangSchedulerActor:
 
     def submit(self, job_id: str, parallelism: dict[str, Any], priority: int = 0,
                tenant: str = "default", timeout_s: float | None = None,
-               duration_s: float | None = None) -> None:
-        """Queue a job; raises PlacementError at once if it could never fit this cluster."""
+               duration_s: float | None = None, sizes: tuple[int, ...] = (), share: float = 1.0,
+               cpus: float = 1.0, workload: str = "compute") -> None:
+        """Queue a job; raises PlacementError at once if it could never fit this cluster.
+        sizes: an elastic job's world sizes; share: each worker's share of one accelerator."""
         with self.lock:
             job = Job(id=job_id, parallelism=Parallelism(**parallelism), tenant=tenant,
                       priority=priority, submit_time=self._now(), timeout=timeout_s,
-                      duration_estimate=duration_s)
+                      duration_estimate=duration_s, sizes=tuple(sizes), share=share, cpus=cpus,
+                      workload=workload)
             self.queue.submit(job)
             self.status[job_id] = {"state": "queued", "reason": None, "preemptions": 0}
         self._wake.set()
@@ -267,18 +270,21 @@ class Reservation:
 
 
 def reserve(job_id: str, parallelism: Parallelism, *, priority: int = 0, tenant: str = "default",
-            timeout_s: float | None = None, actor=None, poll_s: float = TICK_S) -> Reservation:
+            timeout_s: float | None = None, actor=None, poll_s: float = TICK_S, sizes: tuple[int, ...] = (),
+            share: float = 1.0, cpus: float = 1.0, workload: str = "compute") -> Reservation:
     """Queue `job_id` and block until its placement group is ready (all or nothing).
 
     Raises PlacementError when the job can never fit, or when `timeout_s` passes first — the
-    message says which constraint could not be met. A resubmission of a job id that is queued
+    message says which constraint could not be met. An elastic job (`sizes`) gets the largest of
+    its sizes that fits: `Reservation.plan.parallelism` says which. A resubmission of a job id that is queued
     after a preemption waits for the same queue entry.
     """
     import ray
 
     actor = actor or scheduler()
     if job_id not in ray.get(actor.jobs.remote()):
-        ray.get(actor.submit.remote(job_id, parallelism.model_dump(), priority, tenant, timeout_s))
+        ray.get(actor.submit.remote(job_id, parallelism.model_dump(), priority, tenant, timeout_s, None,
+                                    sizes, share, cpus, workload))
     else:  # queued again after a preemption, and its workers have stopped
         ray.get(actor.acknowledge.remote(job_id))
     while True:

@@ -12,6 +12,11 @@ the queue start (fewest, lowest-priority victims); EASY backfill — a job may j
 only if it ends (by its duration estimate) before the head's reserved start, or uses none of the
 accelerators reserved for the head; without the estimates to compute that start nothing jumps
 (conservative); per-tenant quotas of running accelerators.
+
+Elastic jobs (`Job.sizes`: the world sizes a job may run at) start at the largest size that fits,
+once their smallest does; a preempted one comes back at whatever fits (it shrinks); when the queue
+is empty and a larger size of a running elastic job fits, it is resized — a `Preempt` whose reason
+says so: the job checkpoints, stops, and starts again at once at the larger size.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ class Policy(BaseModel):
     """Tenant -> most accelerators its running jobs may hold."""
     default_quota: int | None = Field(None, ge=0)
     """Quota of tenants not in `quotas` (None: unlimited)."""
+    grow_after_s: float = Field(60.0, ge=0)
+    """An elastic job is grown no sooner than this after its (re)start: each resize costs a
+    checkpoint and a restart (Ray Train's elastic_resize_monitor_interval_s, 60 s, likewise)."""
 
 
 class State(str, enum.Enum):
@@ -81,11 +89,41 @@ class Job:
     preemptions: int = 0
     queued_at: float | None = None
     """When the job last entered the queue (its timeout counts from there)."""
+    sizes: tuple[int, ...] = ()
+    """Elastic: the world sizes it may run at, ascending (the largest is `parallelism`'s; while it
+    runs, `parallelism` is the size it was granted). Empty: a fixed size."""
+    resizes: int = 0
+    share: float = 1.0
+    """Each worker's share of one accelerator (< 1: placed on shared devices, see `sharing`)."""
+    cpus: float = 1.0
+    """CPUs per worker (shared devices: a node must have them free too)."""
+    workload: str = "compute"
+    """compute or io: a shared device prefers sharers of the other kind (co-location)."""
     _seq: int = field(default=0, repr=False)
+    _shape: Parallelism | None = field(default=None, repr=False)  # the largest shape
+
+    def __post_init__(self) -> None:
+        self._shape = self.parallelism
+        group = self.parallelism.tp * self.parallelism.pp
+        if self.sizes and (sorted(self.sizes) != list(self.sizes) or self.sizes[-1] != self.parallelism.world
+                           or any(n % group for n in self.sizes)):
+            raise ValueError(f"job {self.id!r}: sizes {self.sizes} must ascend to its world size "
+                             f"{self.parallelism.world}, each a multiple of tp x pp = {group}")
 
     @property
     def gpus(self) -> int:
         return self.parallelism.world
+
+    def shapes(self) -> list[Parallelism]:
+        """The shapes it may start at, largest first."""
+        if not self.sizes:
+            return [self.parallelism]
+        group = self._shape.tp * self._shape.pp
+        return [self._shape.model_copy(update={"dp": n // group}) for n in reversed(self.sizes)]
+
+    @property
+    def smallest(self) -> Parallelism:
+        return self.shapes()[-1]
 
     def expected_end(self) -> float | None:
         if self.start_time is None or self.duration_estimate is None:
@@ -150,7 +188,7 @@ class GangQueue:
         """Queue a job; raises PlacementError if it cannot fit even on the whole empty cluster."""
         if job.id in self.jobs:
             raise ValueError(f"job id {job.id!r} already submitted")
-        problem = self._unfit(job, self._all_up())
+        problem = self._unfit(job, self._all_up(), job.smallest)
         if problem:
             short = [n for n in self.topology.nodes if n.usable is not None and n.usable < n.gpus]
             if short:
@@ -224,7 +262,7 @@ class GangQueue:
             if bf_version != self._version:
                 bf_free, bf_version = np.clip(self.free - reserved, 0, None), self._version
                 free_total = int(self.free.sum())
-            if job.gpus > free_total:
+            if job.smallest.world > free_total:
                 if free_total == 0:
                     break  # nothing left to backfill into
                 continue
@@ -233,6 +271,8 @@ class GangQueue:
                 self._try_start(job, now, self.free, out)
             else:  # must leave the head's reserved accelerators alone
                 self._try_start(job, now, bf_free, out)
+        if not self._queue:
+            self._grow(now, out)
         for _, job in list(self._queue):
             if job.timeout is not None and now - job.queued_at >= job.timeout:
                 reason = self.why_waiting(job)
@@ -243,13 +283,13 @@ class GangQueue:
 
     def why_waiting(self, job: Job) -> str:
         """The first constraint that keeps a queued job from starting."""
-        problem = self._unfit(job, self._all_up())
+        problem = self._unfit(job, self._all_up(), job.smallest)
         if problem:
             return f"cannot be placed even on the empty cluster: {problem}"
         if self._over_quota(job):
             return (f"tenant {job.tenant!r} quota: {self._tenant_use.get(job.tenant, 0)} of "
                     f"{self._quota(job.tenant)} accelerators in use, the job needs {job.gpus}")
-        problem = self._unfit(job, self.free)
+        problem = self._unfit(job, self.free, job.smallest)
         if problem:
             return f"not enough free capacity: {problem}"
         return "waiting behind higher-priority jobs (starting it would delay the head)"
@@ -296,11 +336,11 @@ class GangQueue:
 
     def _over_quota(self, job: Job) -> bool:
         quota = self._quota(job.tenant)
-        return quota is not None and self._tenant_use.get(job.tenant, 0) + job.gpus > quota
+        return quota is not None and self._tenant_use.get(job.tenant, 0) + job.smallest.world > quota
 
-    def _unfit(self, job: Job, free: np.ndarray) -> str | None:
-        """Why `job` does not fit on `free` under this policy's placement, or None."""
-        par = job.parallelism
+    def _unfit(self, job: Job, free: np.ndarray, par: Parallelism | None = None) -> str | None:
+        """Why `job` (at shape `par`) does not fit on `free` under this policy's placement, or None."""
+        par = par or job.parallelism
         if self.policy.placement == "pack":
             have = int(free.sum())
             return None if have >= par.world else \
@@ -311,8 +351,9 @@ class GangQueue:
             return str(e)
         return None
 
-    def _fits(self, job: Job, free: np.ndarray) -> bool:
-        par = job.parallelism
+    def _fits(self, job: Job, free: np.ndarray, par: Parallelism | None = None) -> bool:
+        """Whether `job` fits on `free` at shape `par` (default: its smallest)."""
+        par = par or job.smallest
         key = (free.tobytes(), par.dp * par.pp, par.tp, par.ranks_per_node)
         hit = self._fit_cache.get(key)
         if hit is None:
@@ -324,16 +365,22 @@ class GangQueue:
             self._fit_cache[key] = hit
         return hit
 
-    def _plan(self, job: Job, free: np.ndarray) -> PlacementPlan:
-        return plan(self.topology, job.parallelism, free=free,
+    def _plan(self, job: Job, free: np.ndarray, par: Parallelism) -> PlacementPlan:
+        return plan(self.topology, par, free=free,
                     traffic=job.traffic or self.traffic, strategy=self.policy.placement,
                     **self.plan_options)
 
     def _try_start(self, job: Job, now: float, free: np.ndarray, out: list[Decision]) -> bool:
-        if not self._fits(job, free):
+        """Start `job` at the largest of its shapes that fits `free` (and its tenant's quota)."""
+        quota = self._quota(job.tenant)
+        room = None if quota is None else quota - self._tenant_use.get(job.tenant, 0)
+        par = next((s for s in job.shapes()
+                    if (room is None or s.world <= room) and self._fits(job, free, s)), None)
+        if par is None:
             return False
-        p = self._plan(job, free)
+        p = self._plan(job, free, par)
         self._dequeue(job)
+        job.parallelism = par
         self._take(job, p)
         job.state, job.plan, job.start_time = State.RUNNING, p, now
         self._running[job.id] = job
@@ -388,6 +435,29 @@ class GangQueue:
         assert started, "victims were chosen so that the job fits"
         return True
 
+    def _grow(self, now: float, out: list[Decision]) -> None:
+        """With nobody waiting: resize running elastic jobs (highest priority first) to the largest
+        size that fits on the free capacity plus their own."""
+        for job in sorted(self._running.values(), key=lambda j: (-j.priority, j.start_time)):
+            if not job.sizes or job.gpus == job.sizes[-1] or now - job.start_time < self.policy.grow_after_s:
+                continue
+            quota = self._quota(job.tenant)
+            room = None if quota is None else quota - self._tenant_use.get(job.tenant, 0) + job.gpus
+            free = self.free + self._use[job.id]
+            to = next((s for s in job.shapes() if s.world > job.gpus and (room is None or s.world <= room)
+                       and self._fits(job, free, s)), None)
+            if to is None:
+                continue
+            if self.on_preempt is not None:
+                self.on_preempt(job)
+            was = job.gpus
+            del self._running[job.id]
+            self._release(job)
+            job.resizes += 1
+            self._enqueue(job, now)
+            out.append(Preempt(job, f"resize: grow from {was} to {to.world} workers"))
+            self._try_start(job, now, self.free, out)  # at once: nothing else is waiting
+
     def _reservation(self, head: Job, now: float) -> tuple[float | None, np.ndarray | None]:
         """When the head can start (running jobs ending by their estimates) and which of the
         accelerators free now its plan at that time needs. Cached while nothing changes."""
@@ -408,7 +478,7 @@ class GangQueue:
         if k == len(ends):
             return None, None
         released = after[k] - self.free
-        ranks = assign(self.topology, head.parallelism, after[k], head.traffic or self.traffic,
+        ranks = assign(self.topology, head.smallest, after[k], head.traffic or self.traffic,
                        self.policy.placement, time_budget_s=0.0)
         need = np.bincount(ranks, minlength=len(self.free))
         return ends[k][0], np.clip(need - released, 0, None)

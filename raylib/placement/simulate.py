@@ -9,6 +9,11 @@ comm_fraction f, a job whose best placement (on the empty cluster) spends a frac
 step communicating runs (1 - f) + f * cost / best_cost times as long (cost: link-seconds per
 step of its first placement).
 
+Elastic trace jobs (`min_gpus`) run data-parallel at any size from min_gpus to gpus; their traced
+duration is at the full size and they progress in proportion to the size they hold (linear
+scaling: an upper bound on what resizing gains). Every restart after a preemption or resize costs
+`resize_overhead_s` (checkpoint, new workers, restore).
+
 Trace CSV (Philly, as derived by the Pollux authors): timestamp,duration,num_gpus,gpu_time,
 cluster. A job of n accelerators becomes tp = gcd(n, gpus per node), dp = n / tp; the cluster
 column is the tenant.
@@ -55,6 +60,8 @@ class TraceJob:
     gpus: int
     tenant: str = "default"
     priority: int = 0
+    min_gpus: int | None = None
+    """Elastic: runs at any size from this to `gpus` (None: fixed size)."""
 
 
 class SimResult(BaseModel):
@@ -64,6 +71,8 @@ class SimResult(BaseModel):
     rejected: int
     """Jobs larger than the cluster (never submitted)."""
     preemptions: int
+    resizes: int = 0
+    """Elastic jobs grown while running (each a checkpoint and a restart)."""
     avg_jct_s: float
     avg_queue_delay_s: float
     p95_queue_delay_s: float
@@ -139,6 +148,7 @@ def simulate(
     estimates: bool = True,
     comm_fraction: float = 0.0,
     traffic: Traffic | None = None,
+    resize_overhead_s: float = 0.0,
 ) -> SimResult:
     """Replay `trace` on `topology`. estimates: give the queue each job's true duration as its
     estimate (what EASY backfill needs); False: no estimates (no backfill past a blocked head)."""
@@ -156,13 +166,15 @@ def simulate(
         heapq.heappush(events, (tj.submit, 1, seq, tj.id, 0))
         seq += 1
     by_id = {tj.id: tj for tj in trace}
-    remaining: dict[str, float] = {}
+    remaining: dict[str, float] = {}  # work left, in seconds at the traced size
+    size: dict[str, int] = {}
+    speed: dict[str, float] = {}
     version: dict[str, int] = {}
     started_at: dict[str, float] = {}
     stretch: dict[str, float] = {}
     done: dict[str, float] = {}
     busy = 0.0
-    rejected = preemptions = 0
+    rejected = preemptions = resizes = 0
     costs: list[float] = []
     splits = 0
     window = (min((tj.submit for tj in trace), default=0.0),
@@ -173,9 +185,12 @@ def simulate(
             _, kind, _, jid, ver = heapq.heappop(events)
             if kind == 1:
                 tj = by_id[jid]
-                job = Job(id=jid, parallelism=to_parallelism(tj.gpus, island), tenant=tj.tenant,
+                elastic = tj.min_gpus is not None
+                job = Job(id=jid, parallelism=Parallelism(dp=tj.gpus) if elastic else
+                          to_parallelism(tj.gpus, island), tenant=tj.tenant,
                           priority=tj.priority, submit_time=now,
-                          duration_estimate=tj.duration if estimates else None)
+                          duration_estimate=tj.duration if estimates else None,
+                          sizes=tuple(range(tj.min_gpus, tj.gpus + 1)) if elastic else ())
                 try:
                     queue.submit(job)
                 except PlacementError:
@@ -184,7 +199,7 @@ def simulate(
                 remaining[jid] = tj.duration
             elif ver == version.get(jid):
                 queue.finish(jid)
-                busy += by_id[jid].gpus * _overlap(started_at.pop(jid), now, window)
+                busy += size[jid] * _overlap(started_at.pop(jid), now, window)
                 done[jid] = now
         for d in queue.tick(now):
             jid = d.job.id
@@ -196,18 +211,24 @@ def simulate(
                         costs.append(d.plan.cost.total_s)
                         splits += d.plan.cost.split_tp_groups > 0
                 started_at[jid] = now
+                size[jid] = d.plan.parallelism.world
+                speed[jid] = size[jid] / by_id[jid].gpus
+                overhead = resize_overhead_s if jid in version else 0.0  # a restart
+                run_s = overhead + remaining[jid] * stretch[jid] / speed[jid]
                 if estimates:  # the queue's estimate of when this run ends stays exact
-                    d.job.duration_estimate = remaining[jid] * stretch[jid]
+                    d.job.duration_estimate = run_s
                 version[jid] = version.get(jid, 0) + 1
-                heapq.heappush(events, (now + remaining[jid] * stretch[jid], 0, seq, jid,
-                                        version[jid]))
+                heapq.heappush(events, (now + run_s, 0, seq, jid, version[jid]))
                 seq += 1
             elif isinstance(d, Preempt):
-                ran = now - started_at[jid]
-                busy += d.job.gpus * _overlap(started_at.pop(jid), now, window)
-                remaining[jid] -= ran / stretch[jid]
+                ran = max(0.0, now - started_at[jid] - (resize_overhead_s if version[jid] > 1 else 0.0))
+                busy += size[jid] * _overlap(started_at.pop(jid), now, window)
+                remaining[jid] -= ran * speed[jid] / stretch[jid]
                 version[jid] += 1
-                preemptions += 1
+                if d.reason.startswith("resize"):
+                    resizes += 1
+                else:
+                    preemptions += 1
     jobs = [by_id[j] for j in done]
     jct = np.array([done[j.id] - j.submit for j in jobs])
     wait = jct - np.array([by_id[j.id].duration * stretch[j.id] for j in jobs])
@@ -215,7 +236,7 @@ def simulate(
     length = window[1] - window[0]
     return SimResult(
         policy=name, jobs=len(trace), finished=len(jobs), rejected=rejected,
-        preemptions=preemptions,
+        preemptions=preemptions, resizes=resizes,
         avg_jct_s=float(jct.mean()) if len(jct) else 0.0,
         avg_queue_delay_s=float(wait.mean()) if len(wait) else 0.0,
         p95_queue_delay_s=float(np.percentile(wait, 95)) if len(wait) else 0.0,

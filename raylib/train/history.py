@@ -63,16 +63,25 @@ class RunHistory:
     """Model FLOPs per step and the devices' peak (train.utilisation.Utilisation)."""
     stopped_by: dict[str, Any] | None = None
     """The health rule that stopped (code 2) or moved (code 1) the job, if one did."""
+    device_share: dict[str, Any] | None = None
+    """scaling.gpus_per_worker: the share and what enforced it (train.device_share.cap_memory)."""
+    segments: list[dict[str, Any]] = field(default_factory=list)
+    """One per fit of the run: its first step, steps, workers and global batch (an elastic job's
+    resizes show here)."""
 
     @property
     def end_step(self) -> int:
         return self.start_step + len(self.losses)
 
+    def segment(self) -> dict[str, Any]:
+        return {"start_step": self.start_step, "steps": len(self.losses), "workers": len(self.rank_nodes),
+                "global_batch": self.global_batch}
+
     @classmethod
     def merge(cls, parts: list[RunHistory]) -> RunHistory:
         """One history from the fits of a run that was preempted and resumed."""
         if len(parts) == 1:
-            return parts[0]
+            return dataclasses.replace(parts[0], segments=[parts[0].segment()])
         return dataclasses.replace(
             parts[-1], start_step=parts[0].start_step, preemptions=len(parts) - 1,
             losses=[x for p in parts for x in p.losses],
@@ -82,7 +91,8 @@ class RunHistory:
             loop_s=sum(p.loop_s for p in parts), evals=[e for p in parts for e in p.evals],
             breakdown=_sum_by_rank([p.breakdown for p in parts]),
             telemetry=[t for p in parts for t in p.telemetry or []],
-            stopped_by=next((p.stopped_by for p in reversed(parts) if p.stopped_by), None))
+            stopped_by=next((p.stopped_by for p in reversed(parts) if p.stopped_by), None),
+            segments=[p.segment() for p in parts])
 
 
 def _sum_by_rank(fits: list[list[dict[str, float]] | None]) -> list[dict[str, float]] | None:

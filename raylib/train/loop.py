@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from raylib.train import checkpointing, ds_ops, grad_reduction
+from raylib.train import checkpointing, device_share, ds_ops, grad_reduction
 from raylib.train.history import RunHistory
 from raylib.train.progress import worker_logs
 from raylib.train.utilisation import StepParts, Utilisation
+
+log = logging.getLogger(__name__)
 
 
 def worker_loop(config: dict[str, Any]) -> RunHistory | None:
@@ -21,6 +24,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     on_gpu = config["on_gpu"]
     # Chosen before deepspeed is imported: it picks its accelerator at import time.
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_gpu else "cpu")
+    share = config["spec"]["scaling"]["gpus_per_worker"]
+    device_share.before_cuda(share, on_gpu)
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed deprecations, per step
     worker_logs(config["run_dir"])  # this rank's logging and print() also go to <run dir>/logs/
@@ -65,6 +70,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     engine, *_ = deepspeed.initialize(  # the optimizer gets (and ZeRO partitions) what is trained;
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],  # AutoTP
         config=ds_config, mpu=mpu)  # shards the projections here when tp > 1
+    shared = device_share.cap_memory(share, on_gpu, engine.device)  # before the first step allocates
     reduction = grad_reduction.install(engine, spec)  # measured, or compressed (strategy.compression)
     start, state = checkpointer.restore(engine)
     same_world = len(state.get("ranks") or []) == dist.get_world_size()
@@ -83,7 +89,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     pipeline = None
     if spec.data.tiers:
         pipeline = _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start, state,
-                                    engine.device)
+                                    engine.device, resized=start > 0 and not same_world)
         batches = iter(pipeline)
     else:
         batches = _batches(ray.train.get_dataset_shard("train"), micro, engine.device,
@@ -203,7 +209,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         kernels=kernels, communication=_communication([r[6] for r in ranks]),
         breakdown=[r[7] for r in ranks], telemetry=[r[8] for r in ranks],
         utilisation=utilisation.to_dict() if utilisation else None,
-        stopped_by=_stopped_by(stop_code, [r[8] for r in ranks]),
+        stopped_by=_stopped_by(stop_code, [r[8] for r in ranks]), device_share=shared,
     )
 
 
@@ -253,9 +259,13 @@ def _peak_memory(on_gpu: bool) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start, state, device):
+def _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start, state, device,
+                    resized: bool = False):
     """This rank's planned data path, positioned after the rows the restored steps consumed: its
-    data-parallel replica's (the ranks of a tp group read the same shards, through one cache)."""
+    data-parallel replica's (the ranks of a tp group read the same shards, through one cache).
+    An elastic job resized since the checkpoint deals the shards anew over its new ranks: each
+    starts after its share of the global rows consumed so far (the sample count is kept, the
+    exact samples of the rest of the epoch differ from a fixed-size run's)."""
     from raylib.data.pipeline import TieredPipeline
 
     pipeline = TieredPipeline(
@@ -265,7 +275,10 @@ def _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start
         local_ranks=max(1, ctx.get_local_world_size() // layout.tp), device=device,
         queue_batches=spec.data.prefetch_batches)
     saved = state.get("data", {}).get("order")
-    if start and saved is not None and saved != pipeline.order_fingerprint():
+    if resized and spec.elastic:
+        log.info("resized elastic run: data re-dealt over %d replica(s) from row %d of each",
+                 layout.dp, start * rows_per_step)
+    elif start and saved is not None and saved != pipeline.order_fingerprint():
         pipeline.close()
         raise RuntimeError("the checkpoint was taken with a different data order (data.shuffle_seed, "
                            "dataset or world size changed); resume with the same data settings")

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 # retries those without limit by default, which hangs a run silently.
 STARTUP_FAILURE_LIMIT = 2
 REPORT_POLL_S = 0.25  # how often Ray Train's controller collects the workers' reports (Ray: 2 s)
+IO_BOUND_WAIT = 0.5  # a run whose loop waits on data this share of its time is io-bound (co-location)
 PREEMPTION_LIMIT = 10  # node preemptions (spot reclaims) a run rides out; Ray's default: no limit
 
 
@@ -97,16 +98,13 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
     config.save_pretrained(run_dir / "model")  # the architecture, for `raylib export` and readers
 
-    worker_spec = spec.model_copy(deep=True)
-    worker_spec.strategy.deepspeed_config = ds_config  # workers need no access to the driver's files
-    loop_config = {
-        "spec": worker_spec.model_dump(mode="json"),
-        "ds_config": ds_config,
-        "on_gpu": on_gpu,
-        "run_dir": str(run_dir),
-        "index": dataclasses.asdict(index),
-        "peft_base": peft_base,
-    }
+    def loop_config(part: JobSpec, ds_config: dict[str, Any]) -> dict[str, Any]:
+        worker_spec = part.model_copy(deep=True)
+        worker_spec.strategy.deepspeed_config = ds_config  # workers need no access to the driver's files
+        return {"spec": worker_spec.model_dump(mode="json"), "ds_config": ds_config, "on_gpu": on_gpu,
+                "run_dir": str(run_dir), "index": dataclasses.asdict(index), "peft_base": peft_base}
+
+    part_spec, resource = spec, _gang_resource(spec, on_gpu)
     job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
     # Ray Train's controller empties each worker's one-slot report queue every 2 s by default: a
     # loop reporting more often waits in ray.train.report (measured: half the demo's loop time).
@@ -116,19 +114,26 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     parts: list[RunHistory] = []
     with ProgressBar(spec.run.steps, enabled=progress) as bar:
         while True:  # once, or again after each preemption (resuming from its checkpoint)
-            reservation = _reserve(spec, on_gpu, job_id) if spec.placement.gang else None
+            reservation = _reserve(spec, resource, job_id) if spec.placement.gang else None
             if reservation and reservation.preempt_requested():
                 continue  # preempted before its workers started: it is already queued again
+            if spec.elastic:  # this part's size, granted by the gang scheduler; the global batch kept
+                part_spec = spec.resized(reservation.plan.parallelism.world)
+                ds_config = resolve_ds_config(part_spec, on_gpu=on_gpu)
+                log.info("elastic run %r: %d worker(s) (sizes %s), gradient accumulation %d", spec.name,
+                         part_spec.world_size, spec.elastic_sizes(), ds_config["gradient_accumulation_steps"])
+            gpus = worker_gpus(spec, on_gpu)
             try:
                 trainer = TorchTrainer(
                     worker_loop,
-                    train_loop_config={**loop_config, "gang": _gang_handle(reservation, on_gpu)},
+                    train_loop_config={**loop_config(part_spec, ds_config),
+                                       "gang": _gang_handle(reservation, resource)},
                     torch_config=TorchConfig(backend="nccl" if on_gpu else "gloo"),
                     scaling_config=ray.train.ScalingConfig(
-                        num_workers=spec.world_size,
-                        use_gpu=on_gpu,
+                        num_workers=part_spec.world_size,
+                        use_gpu=gpus > 0,  # on CPU training with a GPU share: logical GPUs (gloo)
                         resources_per_worker={"CPU": spec.scaling.cpus_per_worker,
-                                              **({"GPU": 1} if on_gpu else {})},
+                                              **({"GPU": gpus} if gpus else {})},
                         label_selector=reservation.label_selectors() if reservation else None,
                     ),
                     run_config=ray.train.RunConfig(
@@ -148,7 +153,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
                     datasets=None if spec.data.tiers else {"train": training_dataset(spec, index)},
                 )
                 log.info("training %r (%s, %s) on %d worker(s) (%s, ZeRO-%d)", spec.name,
-                         spec.model.label(), spec.task.type, spec.world_size,
+                         spec.model.label(), spec.task.type, part_spec.world_size,
                          "GPU/NCCL" if on_gpu else "CPU/gloo", spec.strategy.zero_stage)
                 if reservation:
                     reservation.handoff()  # its accelerators go to the workers created now
@@ -199,8 +204,7 @@ def _check_node_health(spec: JobSpec, on_gpu: bool) -> None:
     error before anything is reserved."""
     from raylib.telemetry.health import check_nodes
 
-    resource = "GPU" if on_gpu else "CPU"
-    bad = check_nodes(spec, resource, runtime_env=_worker_env())
+    bad = check_nodes(spec, "GPU" if on_gpu else "CPU", runtime_env=_worker_env())
     if not bad:
         return
     lines = [f"node {n[:12]}: " + "; ".join(
@@ -213,7 +217,7 @@ def _check_node_health(spec: JobSpec, on_gpu: bool) -> None:
                             "(health.preflight: false skips this check)")
     from raylib.placement import gang
 
-    actor = gang.scheduler(resource=resource)
+    actor = gang.scheduler(resource=_gang_resource(spec, on_gpu))
     for n, fs in bad.items():
         ray_get(actor.drain.remote(n, f"health.preflight: {fs[0]['rule']}"))
     log.warning("health.preflight drained %d node(s) before placing %r: %s", len(bad), spec.name,
@@ -239,26 +243,54 @@ def _raise_health_stopped(spec: JobSpec, part: RunHistory, stopped: RunResult) -
     raise error
 
 
-def _reserve(spec: JobSpec, on_gpu: bool, job_id: str):
+def worker_gpus(spec: JobSpec, on_gpu: bool) -> float:
+    """The GPU resource each worker reserves: one device on GPU training, or its share
+    (scaling.gpus_per_worker) — also on CPU training, of the cluster's logical GPUs."""
+    share = spec.scaling.gpus_per_worker
+    return share if on_gpu or share < 1 else 0.0
+
+
+def _gang_resource(spec: JobSpec, on_gpu: bool) -> str:
+    """The gang scheduler that accounts this job: GPUs (whole or shared), else CPUs."""
+    return "GPU" if on_gpu or spec.scaling.gpus_per_worker < 1 else "CPU"
+
+
+def _reserve(spec: JobSpec, resource: str, job_id: str):
     """Wait for the job's gang: topology-aware, all or nothing, in priority order."""
     from raylib.placement import gang
     from raylib.placement.planner import Parallelism
 
     p = spec.placement
-    actor = gang.scheduler(resource="GPU" if on_gpu else "CPU")
-    log.info("waiting for a gang of %d workers (priority %d)", spec.world_size, p.priority)
-    return gang.reserve(job_id, Parallelism.of(spec),
-                        priority=p.priority, tenant=p.tenant, timeout_s=p.timeout_s, actor=actor)
+    actor = gang.scheduler(resource=resource)
+    sizes = spec.elastic_sizes() if spec.elastic else ()
+    log.info("waiting for a gang of %s workers (priority %d)",
+             f"{sizes[0]}..{sizes[-1]}" if sizes else spec.world_size, p.priority)
+    return gang.reserve(job_id, Parallelism.of(spec), priority=p.priority, tenant=p.tenant,
+                        timeout_s=p.timeout_s, actor=actor, sizes=tuple(sizes),
+                        share=spec.scaling.gpus_per_worker, cpus=spec.scaling.cpus_per_worker,
+                        workload=_workload(spec))
 
 
-def _gang_handle(reservation, on_gpu: bool) -> dict[str, str] | None:
+def _workload(spec: JobSpec) -> str:
+    """compute or io, for co-location: as declared, else measured on this run's last part (its
+    data-wait fraction, from summary.json), else compute."""
+    if spec.scaling.workload != "auto":
+        return spec.scaling.workload
+    try:
+        last = json.loads((spec.run_dir() / "summary.json").read_text())
+        return "io" if (last.get("data_wait_fraction") or 0.0) >= IO_BOUND_WAIT else "compute"
+    except (OSError, ValueError):
+        return "compute"
+
+
+def _gang_handle(reservation, resource: str) -> dict[str, str] | None:
     """How the workers find the scheduler to ask whether their job is being preempted."""
     from raylib.placement import gang
 
     if reservation is None:
         return None
     return {"job_id": reservation.job_id, "namespace": gang.NAMESPACE,
-            "actor": f"{gang.ACTOR_NAME}-{'gpu' if on_gpu else 'cpu'}"}
+            "actor": f"{gang.ACTOR_NAME}-{resource.lower()}"}
 
 
 def _raise_run_failed(spec: JobSpec, error: BaseException, run_dir: Path) -> None:
@@ -339,25 +371,40 @@ def _check_data_fits(spec: JobSpec, index, micro: int) -> None:
 
 
 def decide_gpu(spec: JobSpec, resources: dict[str, Any]) -> bool:
+    """Whether the workers train on GPUs (NCCL). Checks a GPU share against the cluster first."""
     gpus = resources.get("GPU", 0)
-    want = spec.scaling.use_gpu
+    want, share = spec.scaling.use_gpu, spec.scaling.gpus_per_worker
+    need = spec.min_world_size * share
+    if share < 1 and gpus == 0:
+        raise ValueError(
+            f"scaling.gpus_per_worker={share:g} asks for a share of a GPU, but no node of this cluster "
+            "has a GPU resource (not even a logical one); add GPU nodes (`ray start --num-gpus N`, a "
+            "node type with GPU resources), or remove scaling.gpus_per_worker")
     if want == "auto":
-        return gpus >= spec.world_size
-    if want and gpus < spec.world_size:
+        on_gpu = share == 1 and gpus >= spec.min_world_size  # a share trains on GPU only when asked
+    elif want and gpus < need:
         raise ValueError(
             f"scaling.use_gpu is true but the cluster has {gpus:g} GPU(s) for "
-            f"{spec.world_size} worker(s); add GPU nodes, lower scaling.num_workers, or set "
+            f"{spec.min_world_size} worker(s) x {share:g}; add GPU nodes, lower scaling.num_workers, or set "
             "use_gpu: auto"
         )
-    return bool(want)
+    else:
+        on_gpu = bool(want)
+    if on_gpu and share < 1 and spec.world_size > 1:
+        raise ValueError(
+            f"scaling.gpus_per_worker={share:g} with {spec.world_size} workers on GPUs: Ray may put two "
+            "of the job's ranks on one device, and NCCL cannot run two ranks of one group on one "
+            "device; share devices between jobs of one worker each, give each worker a whole GPU, "
+            "or train on CPU (use_gpu: false) with the share taken from logical GPUs")
+    return on_gpu
 
 
 def _check_capacity(spec: JobSpec, resources: dict[str, Any], on_gpu: bool) -> None:
-    need = spec.world_size * spec.scaling.cpus_per_worker
+    need = spec.min_world_size * spec.scaling.cpus_per_worker
     have = resources.get("CPU", 0)
     if need > have:
         raise ValueError(
-            f"the job needs {need:g} CPUs ({spec.world_size} workers x "
+            f"the job needs {need:g} CPUs ({spec.min_world_size} workers x "
             f"{spec.scaling.cpus_per_worker:g}) but the cluster has {have:g}; lower "
             "scaling.num_workers or scaling.cpus_per_worker, or add nodes"
         )

@@ -235,7 +235,7 @@ def test_good_run_name():
         ("run.steps", -5, "greater than or equal to 1"),
         ("run.log_every", 0, "greater than or equal to 1"),
         ("run.max_failures", -2, "greater than or equal to -1"),
-        ("scaling.num_workers", 0, "greater than or equal to 1"),
+        ("scaling.num_workers", 0, "positive number of workers"),
         ("scaling.cpus_per_worker", 0, "greater than 0"),
         ("strategy.micro_batch_size", 0, "greater than or equal to 1"),
         ("strategy.gradient_accumulation_steps", 0, "greater than or equal to 1"),

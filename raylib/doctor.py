@@ -349,6 +349,9 @@ def run_checks(address: str | None = None, tier_dirs: Iterable[str] = (),
         except Exception as e:
             checks.append(Check("topology", WARN, f"cannot list the cluster's nodes: {e}",
                                 "is the dashboard's State API up (ray[default])?"))
+        from raylib.telemetry.idle import doctor_checks
+
+        checks += doctor_checks(conn)  # nodes the autoscaler removed for idleness, if any
     else:
         checks.append(Check("topology", NOTE, "no cluster to read node labels from"))
     return checks

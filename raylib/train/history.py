@@ -74,8 +74,11 @@ class RunHistory:
         return self.start_step + len(self.losses)
 
     def segment(self) -> dict[str, Any]:
+        """run.verify adds the parameters' digest as restored at its start and at its end: a resumed
+        fit restored exactly what the previous one ended with when the two agree."""
         return {"start_step": self.start_step, "steps": len(self.losses), "workers": len(self.rank_nodes),
-                "global_batch": self.global_batch}
+                "global_batch": self.global_batch, "restored_digest": self.restored_param_digest,
+                "end_digest": self.param_digests[0] if self.param_digests else None}
 
     @classmethod
     def merge(cls, parts: list[RunHistory]) -> RunHistory:

@@ -88,8 +88,9 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     rows_per_step = accum * micro
     pipeline = None
     if spec.data.tiers:
+        resized = start > 0 and not same_world and config.get("elastic", False)  # an elastic resize
         pipeline = _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start, state,
-                                    engine.device, resized=start > 0 and not same_world)
+                                    engine.device, resized=resized)
         batches = iter(pipeline)
     else:
         batches = _batches(ray.train.get_dataset_shard("train"), micro, engine.device,
@@ -275,7 +276,7 @@ def _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start
         local_ranks=max(1, ctx.get_local_world_size() // layout.tp), device=device,
         queue_batches=spec.data.prefetch_batches)
     saved = state.get("data", {}).get("order")
-    if resized and spec.elastic:
+    if resized:
         log.info("resized elastic run: data re-dealt over %d replica(s) from row %d of each",
                  layout.dp, start * rows_per_step)
     elif start and saved is not None and saved != pipeline.order_fingerprint():

@@ -102,7 +102,8 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
         worker_spec = part.model_copy(deep=True)
         worker_spec.strategy.deepspeed_config = ds_config  # workers need no access to the driver's files
         return {"spec": worker_spec.model_dump(mode="json"), "ds_config": ds_config, "on_gpu": on_gpu,
-                "run_dir": str(run_dir), "index": dataclasses.asdict(index), "peft_base": peft_base}
+                "run_dir": str(run_dir), "index": dataclasses.asdict(index), "peft_base": peft_base,
+                "elastic": spec.elastic}
 
     part_spec, resource = spec, _gang_resource(spec, on_gpu)
     job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"

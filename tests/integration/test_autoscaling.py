@@ -3,6 +3,8 @@ multi-node provider (autoscaler v2). A job whose gang (one placement group, all-
 needs two nodes labelled raylib.io/node-type=gpu-sim is submitted to a head that has no such
 node: the autoscaler launches two labelled workers of that type (not the cheaper cpu-small type,
 which fits the CPU demand just as well but lacks the label), the gang is placed, the job runs.
+Then the queue is empty: the autoscaler removes both nodes once they have been idle for the
+configured timeout (shortened here), and raylib.telemetry.idle reports what they would have drawn.
 """
 
 from __future__ import annotations
@@ -19,9 +21,14 @@ from tests.integration.ray_head import RayHead, token_headers
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 FAKE_HEAD_NODE_ID = "fffffffffffffffffffffffffffffffffffffffffffffffffff00000"
+IDLE_TIMEOUT_MIN = 0.25
+"""The test's idle_timeout_minutes (the YAML's 1 minute would cost a minute): the 2.60 schema takes
+a number and autoscaler v2 uses minutes x 60 as a float, checked every AUTOSCALER_UPDATE_INTERVAL_S."""
+SCALE_DOWN_SLACK_S = 30.0
+"""Past the timeout: an autoscaler pass (1 s here), the drain, the GCS recording the node's end."""
 
 GANG_JOB = """
-import json, ray
+import json, time, ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -39,6 +46,7 @@ ids = ray.get([where.options(scheduling_strategy=PlacementGroupSchedulingStrateg
     placement_group=pg, placement_group_bundle_index=i)).remote() for i in range(2)])
 labels = {n["NodeID"]: n["Labels"] for n in ray.nodes()}
 print("GANG " + json.dumps([labels[i] for i in ids]), flush=True)
+print("IDLE_FROM", time.time(), flush=True)  # the bundles hold the nodes' CPUs until this removal
 remove_placement_group(pg)
 """
 
@@ -52,6 +60,8 @@ def fake_cluster(tmp_path):
                         "RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID,
                         "AUTOSCALER_UPDATE_INTERVAL_S": "1"})
     config["provider"]["gcs_address"] = head.gcs_address
+    config["idle_timeout_minutes"] = IDLE_TIMEOUT_MIN
+    head.idle_timeout_s = IDLE_TIMEOUT_MIN * 60
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(config))
     head.extra_args = ["--autoscaling-config", str(path)]
@@ -60,13 +70,17 @@ def fake_cluster(tmp_path):
     head.stop()
 
 
-def _alive_nodes(head) -> list[dict]:
+def _nodes(head) -> list[dict]:
     import requests
 
     r = requests.get(f"{head.dashboard_url}/api/v0/nodes", params={"detail": "1"},
                      headers=token_headers(), timeout=30)
     r.raise_for_status()
-    return [n for n in r.json()["data"]["result"]["result"] if n["state"] == "ALIVE"]
+    return r.json()["data"]["result"]["result"]
+
+
+def _alive_nodes(head) -> list[dict]:
+    return [n for n in _nodes(head) if n["state"] == "ALIVE"]
 
 
 def test_gang_with_label_selector_scales_up_labelled_nodes(fake_cluster, tmp_path):
@@ -111,3 +125,49 @@ def test_gang_with_label_selector_scales_up_labelled_nodes(fake_cluster, tmp_pat
     assert check.status == doctor.OK, check
     topology = doctor.check_topology_labels(doctor.cluster_nodes(conn))
     assert topology.status == doctor.OK and "2 GPU node(s)" in topology.detail
+
+    # Idle scale-down: nothing is queued; both gpu-sim nodes are idle from the group's removal.
+    idle_from = float(logs.split("IDLE_FROM ", 1)[1].split()[0])
+    gpu_ids = {labels["ray.io/node-id"] for labels in gang}
+    deadline = time.monotonic() + max(0.0, idle_from + head.idle_timeout_s - time.time()) + SCALE_DOWN_SLACK_S
+    while len(dead := [n for n in _nodes(head) if n["node_id"] in gpu_ids and n["state"] == "DEAD"]) < 2:
+        assert time.monotonic() < deadline, (
+            f"the idle gpu-sim nodes were not removed {head.idle_timeout_s:g} s + {SCALE_DOWN_SLACK_S:g} s "
+            f"after going idle: {[(n['node_id'][-6:], n['state']) for n in _nodes(head)]}")
+        time.sleep(0.5)
+    observed_at = time.time()
+    assert [n["node_id"] for n in _alive_nodes(head)] == [FAKE_HEAD_NODE_ID], "only the head is left"
+    for n in dead:
+        removed_at = n["end_time_ms"] / 1000
+        print(f"scale-down: node ..{n['node_id'][-6:]} removed {removed_at - idle_from:.1f} s after going "
+              f"idle (timeout {head.idle_timeout_s:g} s): {n['state_message']}")
+        assert n["state_message"].startswith("Terminated due to idle"), n["state_message"]
+        assert removed_at >= idle_from + head.idle_timeout_s, (f"removed {removed_at - idle_from:.1f} s "
+                                                               "after going idle: before the timeout")
+
+    # What the removed nodes would have drawn, idle, until now: through the dashboard, as `raylib doctor`.
+    from raylib.perf.catalogue import accelerator
+    from raylib.telemetry import idle
+    from raylib.telemetry.energy import DEFAULT_W_PER_CORE
+
+    until = time.time()
+    result = idle.idle_energy(idle.fetch_nodes(head.dashboard_url, token_headers()), until=until,
+                              accelerator="h100")  # fake GPUs carry no accelerator_type resource
+    assert {r.node_id for r in result.nodes} == gpu_ids
+    idle_w = idle.DEFAULT_IDLE_FRACTION * (2 * accelerator("h100").tdp_w + 1 * DEFAULT_W_PER_CORE)
+    by_id = {n["node_id"]: n for n in dead}
+    for r in result.nodes:
+        assert r.node_type == "gpu-sim" and r.gpus == 2 and r.cpus == 1 and r.accelerator == "h100"
+        assert r.removed_at == by_id[r.node_id]["end_time_ms"] / 1000 <= observed_at
+        assert r.started_at == by_id[r.node_id]["start_time_ms"] / 1000 < idle_from
+        assert r.idle_w == pytest.approx(idle_w)
+        assert r.energy_j == pytest.approx(idle_w * (until - r.removed_at), rel=1e-12)
+        assert r.idle_s > head.idle_timeout_s, "the autoscaler's own idle figure passed the timeout"
+        assert r.idle_since >= idle_from - 1.0, "idle by the autoscaler's count only after the group went"
+    assert result.energy_j == pytest.approx(sum(idle_w * (until - r.removed_at) for r in result.nodes))
+    assert result.summary().startswith("2 idle node(s) removed by the autoscaler (2 gpu-sim)")
+    print(result.summary())
+    # `raylib doctor` counts them too; it cannot tell what the fake GPUs are (no accelerator_type).
+    (note,) = idle.doctor_checks(conn)
+    assert note.status == doctor.NOTE and note.detail.startswith(
+        "2 idle node(s) removed by the autoscaler; their energy is not estimated"), note

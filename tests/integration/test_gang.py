@@ -327,3 +327,59 @@ def test_node_death_replans_the_reservation(gang, labelled_cluster):
     wait_state(gang, "survivor", "ready", where=lambda st: st["plan"]["rank_node"][0] != victim_id)
     assert victim_id not in {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert ray.get(gang.preempt_requested.remote("survivor")), "the job is told to restart"
+
+
+def test_elastic_run_grows_from_one_worker_to_two_and_shrinks_back(labelled_cluster, tiny_dataset, tmp_path):
+    """scaling.num_workers {min: 1, max: 2}. The cluster's CPUs but one are held by another gang:
+    the run starts with 1 worker. That gang ends: the scheduler grows the run to 2 workers
+    (checkpoint, restart, the universal checkpoint resharded). A higher-priority gang then needs all
+    but one CPU: the run shrinks back to 1 and finishes there. The global batch never changes (the
+    accumulation does), and the loss curve continues across both resizes."""
+    import ray
+
+    from raylib import JobSpec
+    from raylib.placement.gang import scheduler
+    from raylib.train.trainer import run
+
+    spec = JobSpec.from_dict({
+        "name": "elastic-run",
+        "model": {"preset": "bert-tiny", "overrides": {"num_hidden_layers": 1}},
+        "data": {"path": tiny_dataset, "manifest": None,
+                 "tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "64KB"}]},
+        "strategy": {"zero_stage": 1, "micro_batch_size": 8, "global_batch_size": 16},
+        "scaling": {"num_workers": {"min": 1, "max": 2}, "use_gpu": False},
+        "placement": {"gang": True, "timeout_s": 300},
+        "run": {"steps": 400, "log_every": 5, "output_dir": str(tmp_path), "verify": True},
+    })
+    gang = scheduler(policy={"grow_after_s": 0}, resource="CPU")
+    total = int(sum(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]))  # the scheduler's
+    try:
+        ray.get(gang.submit.remote("others", {"dp": total - 1}, 0))
+        wait_state(gang, "others", "ready")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            training = pool.submit(run, spec, progress=False)
+            job = wait_job(gang, lambda j, st: j.startswith("elastic-run-") and st["state"] == "ready",
+                           unless=training)
+            assert ray.get(gang.poll.remote(job))["plan"]["parallelism"]["dp"] == 1
+            wait_train_workers(1)
+            ray.get(gang.release.remote("others"))  # capacity frees up: grow
+            wait_state(gang, job, "ready", where=lambda st: st["plan"]["parallelism"]["dp"] == 2)
+            wait_train_workers(2)
+            ray.get(gang.submit.remote("urgent", {"dp": total - 1}, 10))  # needs the run's CPU: shrink
+            wait_state(gang, "urgent", "ready")
+            s = training.result(timeout=600).summary
+            ray.get(gang.release.remote("urgent"))
+    finally:
+        ray.get(gang.shutdown.remote())
+        ray.kill(gang)
+
+    segments = s["segments"]
+    assert [g["workers"] for g in segments] == [1, 2, 1], segments
+    assert {g["global_batch"] for g in segments} == {16}  # accumulation 2, 1, 2
+    for before, after in zip(segments, segments[1:], strict=False):
+        # the loss curve continues: each resized fit resumed at the step the last one stopped, with
+        # exactly its parameters (resharded over the new world through the universal checkpoint)
+        assert after["start_step"] == before["start_step"] + before["steps"] > 0
+        assert after["restored_digest"] == before["end_digest"] is not None
+    assert s["steps"] == 400 and s["start_step"] == 0 and len(s["loss_curve"]) == 400
+    assert s["param_digests_agree"]

@@ -17,6 +17,14 @@ Elastic jobs (`Job.sizes`: the world sizes a job may run at) start at the larges
 once their smallest does; a preempted one comes back at whatever fits (it shrinks); when the queue
 is empty and a larger size of a running elastic job fits, it is resized — a `Preempt` whose reason
 says so: the job checkpoints, stops, and starts again at once at the larger size.
+
+Shared accelerators (`Job.share` < 1): such a job's workers are placed on devices by
+`sharing.Devices` under `Policy.sharing` (fragmentation-aware FGD against the recent request mix
+by default), all or nothing; a device is never over 1.0. The queue keeps one device-level state for
+every job: whole-accelerator jobs take idle devices, and an island counts for whole-accelerator
+plans only its devices that no sharer touches. A shared job prefers nodes that run no job of its
+own workload kind (co-location: an io-bound sharer beside compute-bound ones). Shared jobs neither
+preempt nor are preempted, and a backfilled one leaves the head's reserved devices alone.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import bisect
 import enum
 import itertools
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,6 +40,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from raylib.placement.planner import (
+    Cost,
     Parallelism,
     PlacementError,
     PlacementPlan,
@@ -41,7 +51,10 @@ from raylib.placement.planner import (
     free_array,
     plan,
 )
+from raylib.placement.sharing import EPS, POLICIES, Devices, Mix, Request, Slot
 from raylib.placement.topology import Topology
+
+MIX_WINDOW = 200  # requests (per-worker shapes) the FGD mix is learned from
 
 
 class Policy(BaseModel):
@@ -59,6 +72,9 @@ class Policy(BaseModel):
     """Tenant -> most accelerators its running jobs may hold."""
     default_quota: int | None = Field(None, ge=0)
     """Quota of tenants not in `quotas` (None: unlimited)."""
+    sharing: str = Field("fgd", pattern="^(" + "|".join(POLICIES) + ")$")
+    """Which node a shared-device worker goes to: fgd (fragmentation-aware), best-fit, packing,
+    ray-default (see raylib.placement.sharing)."""
     grow_after_s: float = Field(60.0, ge=0)
     """An elastic job is grown no sooner than this after its (re)start: each resize costs a
     checkpoint and a restart (Ray Train's elastic_resize_monitor_interval_s, 60 s, likewise)."""
@@ -181,6 +197,14 @@ class GangQueue:
         self._fit_cache: dict[tuple, bool] = {}
         self._resv_cache: tuple | None = None
         self._use: dict[str, np.ndarray] = {}  # accelerators per global island of running jobs
+        # device level, for shared accelerators: every running job's slots on `devices`
+        self.devices = Devices([n.gpus for n in topology.nodes])
+        self._slots: dict[str, list[Slot]] = {}
+        self._recent: deque[Request] = deque(maxlen=MIX_WINDOW)
+        self._kinds: list[Counter] = [Counter() for _ in topology.nodes]  # workload kinds per node
+        starts = [np.cumsum([0, *n.islands]) for n in topology.nodes]
+        self._dev_island = [np.searchsorted(st, np.arange(n.gpus), side="right") - 1
+                            for st, n in zip(starts, topology.nodes, strict=True)]
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -198,6 +222,7 @@ class GangQueue:
             raise PlacementError(f"job {job.id!r}: {problem}")
         job._seq = next(self._seq)
         self.jobs[job.id] = job
+        self._recent.append(Request(gpu=min(job.share, 1.0), count=job.smallest.world, cpu=job.cpus))
         self._enqueue(job, job.submit_time)
 
     def finish(self, job_id: str) -> None:
@@ -262,7 +287,7 @@ class GangQueue:
             if bf_version != self._version:
                 bf_free, bf_version = np.clip(self.free - reserved, 0, None), self._version
                 free_total = int(self.free.sum())
-            if job.smallest.world > free_total:
+            if job.share >= 1 and job.smallest.world > free_total:
                 if free_total == 0:
                     break  # nothing left to backfill into
                 continue
@@ -341,6 +366,11 @@ class GangQueue:
     def _unfit(self, job: Job, free: np.ndarray, par: Parallelism | None = None) -> str | None:
         """Why `job` (at shape `par`) does not fit on `free` under this policy's placement, or None."""
         par = par or job.parallelism
+        if job.share < 1:
+            if self._place_shared(job, free, par, empty=free is not self.free) is not None:
+                return None
+            return (f"{par.world} worker(s) x {job.share:g} of an accelerator (and {job.cpus:g} CPU each) "
+                    f"do not fit on the devices' free shares")
         if self.policy.placement == "pack":
             have = int(free.sum())
             return None if have >= par.world else \
@@ -354,6 +384,8 @@ class GangQueue:
     def _fits(self, job: Job, free: np.ndarray, par: Parallelism | None = None) -> bool:
         """Whether `job` fits on `free` at shape `par` (default: its smallest)."""
         par = par or job.smallest
+        if job.share < 1:
+            return self._place_shared(job, free, par) is not None
         key = (free.tobytes(), par.dp * par.pp, par.tp, par.ranks_per_node)
         hit = self._fit_cache.get(key)
         if hit is None:
@@ -378,10 +410,11 @@ class GangQueue:
                     if (room is None or s.world <= room) and self._fits(job, free, s)), None)
         if par is None:
             return False
-        p = self._plan(job, free, par)
+        slots = self._place_shared(job, free, par) if job.share < 1 else None
+        p = self._shared_plan(job, par, slots) if slots else self._plan(job, free, par)
         self._dequeue(job)
         job.parallelism = par
-        self._take(job, p)
+        self._take(job, p, slots)
         job.state, job.plan, job.start_time = State.RUNNING, p, now
         self._running[job.id] = job
         self._tenant_use[job.tenant] = self._tenant_use.get(job.tenant, 0) + job.gpus
@@ -393,21 +426,106 @@ class GangQueue:
         base = idx.island_base[[idx.node_pos[n] for n in p.rank_node]]
         return np.bincount(base + np.array(p.rank_island), minlength=len(self.free))
 
-    def _take(self, job: Job, p: PlacementPlan) -> None:
-        self._use[job.id] = self._usage_array(p)
-        self.free -= self._use[job.id]
+    def _take(self, job: Job, p: PlacementPlan, slots: list[Slot] | None = None) -> None:
+        if slots is None:  # whole accelerators: idle devices of the planned islands
+            self._use[job.id] = self._usage_array(p)
+            self.free -= self._use[job.id]
+            slots = []
+            taken = self.devices.copy()
+            for node_id, isl in zip(p.rank_node, p.rank_island, strict=True):
+                pos = self.topology.node_position(node_id)
+                idle = np.flatnonzero((self._dev_island[pos] == isl) & (taken.free[pos] >= 1 - EPS))
+                slot = Slot(pos, (int(idle[0]),), 1.0, 0.0, 0.0)
+                taken.take([slot])
+                slots.append(slot)
+            self.devices.take(slots)
+        else:
+            self._use[job.id] = np.zeros_like(self.free)
+            self.devices.take(slots)
+            self._sync({s.node for s in slots})
+        self._slots[job.id] = slots
+        for s_ in slots:
+            self._kinds[s_.node][job.workload] += 1
         self._version += 1
 
     def _release(self, job: Job) -> None:
         use = self._use.pop(job.id)
         use[self._all_up() == 0] = 0  # what was on a dead node does not come back
         self.free += use
+        slots = self._slots.pop(job.id)
+        self.devices.give(slots)
+        for s_ in slots:
+            self._kinds[s_.node][job.workload] -= 1
+        if job.share < 1:
+            self._sync({s_.node for s_ in slots})
         self._version += 1
         self._tenant_use[job.tenant] -= job.gpus
 
+    # -- shared accelerators --------------------------------------------------------------------
+
+    def _sync(self, nodes: set[int]) -> None:
+        """Whole-accelerator capacity of these nodes' islands: usable devices no job touches."""
+        for pos in nodes:
+            node = self.topology.nodes[pos]
+            base = self.topology.index.island_base[pos]
+            busy = np.bincount(self._dev_island[pos][self.devices.free[pos] < 1 - EPS],
+                               minlength=len(node.islands))
+            up = node.id not in self.down
+            for i, cap in enumerate(node.capacity):
+                self.free[base + i] = max(0, cap - int(busy[i])) if up else 0
+
+    def _view(self, free: np.ndarray) -> Devices:
+        """The devices as `free` sees them: idle devices beyond an island's count in `free`
+        (reserved for the blocked head) are out of reach."""
+        if free is self.free or np.array_equal(free, self.free):
+            return self.devices
+        view = self.devices.copy()
+        for pos, node in enumerate(self.topology.nodes):
+            base = self.topology.index.island_base[pos]
+            for i in range(len(node.islands)):
+                idle = np.flatnonzero((self._dev_island[pos] == i) & (view.free[pos] >= 1 - EPS))
+                extra = len(idle) - max(0, int(free[base + i]))
+                if extra > 0:
+                    view.free[pos][idle[:extra]] = 0.0
+        return view
+
+    def _place_shared(self, job: Job, free: np.ndarray, par: Parallelism,
+                      empty: bool = False) -> list[Slot] | None:
+        """Slots for `job`'s workers on shared devices (None: it does not fit). Co-location first:
+        nodes that run jobs of the other workload kind (io beside compute) and none of its own.
+        empty: on the idle cluster (is it feasible at all)."""
+        devices = Devices([n.gpus for n in self.topology.nodes]) if empty else self._view(free)
+        request = Request(gpu=job.share, count=par.world)
+        up = np.array([n.id not in self.down for n in self.topology.nodes])
+        mix = Mix.of(self._recent) if self._recent else None
+        if not empty:
+            other = "io" if job.workload == "compute" else "compute"
+            beside = up & np.array([k[other] > 0 and k[job.workload] == 0 for k in self._kinds])
+            if beside.any():
+                slots = devices.place(request, self.policy.sharing, mix, beside)
+                if slots is not None:
+                    return slots
+        return devices.place(request, self.policy.sharing, mix, up)
+
+    def _shared_plan(self, job: Job, par: Parallelism, slots: list[Slot]) -> PlacementPlan:
+        topo = self.topology
+        zero = {lv.name: 0.0 for lv in topo.levels}
+        nodes = [topo.nodes[s_.node] for s_ in slots]
+        return PlacementPlan(
+            parallelism=par, strategy="pack", topology=topo.name, levels=[lv.name for lv in topo.levels],
+            rank_node=[n.id for n in nodes],
+            rank_island=[int(self._dev_island[s_.node][s_.devices[0]]) for s_ in slots],
+            bundles=[{"CPU": float(job.cpus), topo.resource: float(job.share)} for _ in slots],
+            bundle_label_selector=[dict(n.selector) for n in nodes],
+            rank_to_bundle=list(range(len(slots))),
+            cost=Cost(total_s=0.0, bytes_by_level=zero, seconds_by_level=dict(zero), bytes_by_kind={},
+                      split_tp_groups=0))
+
     def _preempt_for(self, job: Job, now: float, out: list[Decision]) -> bool:
         """Preempt the fewest, lowest-priority running jobs that let `job` start."""
-        cands = sorted((j for j in self._running.values() if j.priority < job.priority),
+        if job.share < 1:
+            return False
+        cands = sorted((j for j in self._running.values() if j.priority < job.priority and j.share >= 1),
                        key=lambda j: (j.priority, -j.gpus, -(j.start_time or 0.0)))
         free, victims = self.free.copy(), []
         for v in cands:

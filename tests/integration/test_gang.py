@@ -383,3 +383,62 @@ def test_elastic_run_grows_from_one_worker_to_two_and_shrinks_back(labelled_clus
         assert after["restored_digest"] == before["end_digest"] is not None
     assert s["steps"] == 400 and s["start_step"] == 0 and len(s["loss_curve"]) == 400
     assert s["param_digests_agree"]
+
+
+def test_shared_accelerators_pack_on_one_device_and_a_run_takes_its_share(
+        gang, labelled_cluster, tiny_dataset, tmp_path):
+    """Four jobs of one worker x 0.25 GPU (logical GPUs): the scheduler puts them on one node and
+    Ray's raylet on one device of it (the same GPU id for all four: never over 1.0); a fifth
+    sharer goes to the next device. Then a real DeepSpeed run with scaling.gpus_per_worker 0.5
+    trains through the cluster-wide scheduler on its share."""
+    import ray
+    from ray.util.placement_group import get_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from raylib import JobSpec
+    from raylib.placement.gang import scheduler
+    from raylib.train.trainer import run
+
+    @ray.remote(num_cpus=0)
+    class Sharer:
+        def where(self):
+            ctx = ray.get_runtime_context()
+            return ctx.get_node_id(), ctx.get_accelerator_ids()["GPU"]
+
+    jobs = [f"share-{i}" for i in range(5)]
+    for i, job in enumerate(jobs):
+        ray.get(gang.submit.remote(job, {"dp": 1}, 0, "default", None, None, (), 0.25, 0.5,
+                                   "compute" if i % 2 else "io"))
+    plans = [wait_state(gang, job, "ready", deadline_s=60)["plan"] for job in jobs]
+    assert len({p["rank_node"][0] for p in plans}) == 1
+    assert all(p["bundles"][0]["GPU"] == 0.25 for p in plans)
+    pgs = [get_placement_group(f"raylib-gang-{job}") for job in jobs]
+    in_group = [PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0) for pg in pgs]
+    sharers = [Sharer.options(num_gpus=0.25, num_cpus=0.5, scheduling_strategy=st).remote() for st in in_group]
+    seen = ray.get([s.where.remote() for s in sharers])
+    assert len({node for node, _ in seen}) == 1
+    devices = [ids[0] for _, ids in seen]
+    assert len(set(devices[:4])) == 1 and devices[4] != devices[0], devices
+    for s in sharers:
+        ray.kill(s)
+    for job in jobs:
+        ray.get(gang.release.remote(job))
+
+    spec = JobSpec.from_dict({
+        "name": "share-run",
+        "model": {"preset": "bert-tiny", "overrides": {"num_hidden_layers": 1}},
+        "data": {"path": tiny_dataset, "manifest": None},
+        "strategy": {"zero_stage": 1, "micro_batch_size": 8},
+        "scaling": {"num_workers": 1, "use_gpu": False, "gpus_per_worker": 0.5},
+        "placement": {"gang": True, "timeout_s": 300},
+        "run": {"steps": 4, "log_every": 2, "output_dir": str(tmp_path)},
+    })
+    cluster_gang = scheduler(resource="GPU")
+    try:
+        s = run(spec, progress=False).summary
+    finally:
+        ray.get(cluster_gang.shutdown.remote())
+        ray.kill(cluster_gang)
+    assert s["steps"] == 4 and s["rank_nodes"] == s["planned_nodes"]
+    assert s["device_share"] == {"share": 0.5, "memory_fraction": None,
+                                 "why": "CPU training: a logical GPU share"}

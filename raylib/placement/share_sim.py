@@ -1,0 +1,404 @@
+"""Trace-driven simulator for GPU-sharing workloads: fractional GPUs, CPU and memory per task.
+
+Two experiments, both over `raylib.placement.sharing.Devices` and its policies:
+
+- `saturate`: FGD's "workload inflation" (Weng et al., ATC'23, Sec. 6): tasks arrive in order and
+  never leave; how much GPU capacity is left unallocated as the arrived GPU demand grows to 100%
+  of the cluster and beyond. Unallocated capacity at 100% demand is capacity the policy stranded.
+- `simulate_sharing`: event-driven, with completions. At every event instant, completions first,
+  then arrivals, then the queue is scanned in submit order and EVERY task that fits starts (greedy
+  backfill: a task that does not fit never holds back the ones behind it). FGD learns the request
+  mix online from the last `mix_window` requests unless a fixed mix is given.
+
+`synthetic_sharing_trace` draws tasks from the Alibaba GPU-sharing mix documented in
+`raylib.placement.sharing` (OPENB_CLASS_SHARES and the shape tables). Clusters come from
+`uniform_cluster` or from Alibaba PAI's machine list (`cluster_from_machine_spec`, the
+../shared/traces/alibaba_gpu_v2020/pai_machine_spec.csv file; never copied into the project).
+"""
+
+from __future__ import annotations
+
+import csv
+import heapq
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+from raylib.placement.sharing import (
+    EPS,
+    POLICIES,
+    Devices,
+    Mix,
+    Request,
+    Slot,
+    _check_policy,
+    openb_shapes,
+)
+
+__all__ = [
+    "ALIBABA_MACHINE_SPEC", "ShareResult", "Task", "cluster_from_machine_spec", "compare_sharing",
+    "offered_load", "saturate", "simulate_sharing", "synthetic_sharing_trace", "uniform_cluster",
+]
+
+ALIBABA_MACHINE_SPEC = (Path(__file__).resolve().parents[3] / "shared" / "traces" / "alibaba_gpu_v2020"
+                        / "pai_machine_spec.csv")
+"""Where the shared traces keep PAI's machine list (absent on machines without ../shared)."""
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str
+    submit: float
+    """Seconds from the start of the trace."""
+    duration: float
+    request: Request
+    priority: int = 0
+    """Carried for the gang queue; this simulator scans in submit order."""
+
+
+def synthetic_sharing_trace(
+    n_tasks: int,
+    *,
+    seed: int = 0,
+    mix: Mapping[str | int, float] | None = None,
+    mean_interarrival_s: float = 2.0,
+    duration_median_s: float = 600.0,
+    duration_sigma: float = 1.0,
+    max_duration_s: float = 86400.0,
+    gpus_per_node: int = 8,
+) -> list[Task]:
+    """A seeded synthetic GPU-sharing trace of single-worker tasks.
+
+    Request mix (what each task asks for), from alibaba/clusterdata cluster-trace-gpu-v2023
+    (openb_pod_list_default.csv, the FGD paper's Default trace), estimated from a ~900-pod
+    systematic sample of its 8,152 pods; see `raylib.placement.sharing` for the tables:
+      - classes (share of tasks): CPU-only 11%, GPU-sharing 31%, 1 GPU 57%, 2 GPUs 0.3%,
+        4 GPUs 0.2%, 8 GPUs 0.5% (`mix` overrides these; classes above gpus_per_node dropped);
+      - GPU-sharing fractions: 0.81 (25%), 0.47 (25%), 0.32 (20%), 0.65 (8%), 0.46, 0.22 (5% each),
+        0.59, 0.55, 0.16, 0.11 (3% each), each with the trace's CPU/memory for it (3.2-11.9 CPUs,
+        5.5-46 GB);
+      - whole-GPU tasks: 1 GPU with 9.8-18.7 CPUs and 24-63 GB; 2 GPUs 16 CPUs / 65 GB; 4 GPUs
+        32 CPUs / 129 GB; 8 GPUs 64-88 CPUs / 256-320 GB; CPU-only 8-32 CPUs / 30-56 GB.
+    Timing is NOT from the trace (its creation/deletion times include pods alive for the whole
+    window): Poisson arrivals with mean `mean_interarrival_s`, log-normal durations with median
+    `duration_median_s` and shape `duration_sigma`, clipped to [1 s, max_duration_s].
+    """
+    if n_tasks < 0 or mean_interarrival_s <= 0 or duration_median_s <= 0 or duration_sigma < 0:
+        raise ValueError("n_tasks >= 0, mean_interarrival_s > 0, duration_median_s > 0 and "
+                         "duration_sigma >= 0 are required")
+    shapes = openb_shapes(mix, gpus_per_node)
+    rng = np.random.default_rng(seed)
+    kinds = rng.choice(len(shapes), size=n_tasks, p=np.array([p for _, p in shapes]))
+    gaps = rng.exponential(mean_interarrival_s, size=n_tasks)
+    submit = np.concatenate([[0.0], np.cumsum(gaps[:-1])]) if n_tasks else gaps
+    dur = np.clip(rng.lognormal(math.log(duration_median_s), duration_sigma, size=n_tasks),
+                  1.0, max_duration_s)
+    return [Task(id=f"s{i:05d}", submit=round(float(submit[i]), 3), duration=round(float(dur[i]), 3),
+                 request=shapes[k][0]) for i, k in enumerate(kinds)]
+
+
+def offered_load(tasks: Sequence[Task], total_gpus: float) -> float:
+    """GPU-seconds asked / (GPUs x arrival span): about 1.0 keeps the cluster just busy."""
+    if not tasks or total_gpus <= 0:
+        return 0.0
+    span = max(t.submit for t in tasks) - min(t.submit for t in tasks)
+    work = sum(t.request.total_gpu * t.duration for t in tasks)
+    return work / (total_gpus * span) if span > 0 else math.inf
+
+
+def uniform_cluster(nodes: int, gpus_per_node: int = 8, cpus_per_node: float = 96.0,
+                    mem_per_node: float = 512.0) -> tuple[list[int], list[float], list[float]]:
+    """(gpus, cpus, mem) of `nodes` identical nodes (defaults: PAI's 8 x V100 machines, 96 CPUs,
+    512 GB). Devices(*uniform_cluster(64)) builds it."""
+    return [gpus_per_node] * nodes, [float(cpus_per_node)] * nodes, [float(mem_per_node)] * nodes
+
+
+def cluster_from_machine_spec(
+    path: str | Path = ALIBABA_MACHINE_SPEC,
+    *,
+    gpu_types: Iterable[str] | None = None,
+    limit: int | None = None,
+    stride: int = 1,
+) -> tuple[list[int], list[float], list[float]]:
+    """(gpus, cpus, mem GB) per machine of Alibaba PAI's machine list (columns machine,gpu_type,
+    cap_cpu,cap_mem,cap_gpu), in file order, keeping gpu_types only (e.g. {"V100", "V100M32"};
+    "CPU" is the GPU-less machines), every `stride`-th of those (the file is grouped by type, so
+    a stride keeps the type mix where `limit` alone would not), the first `limit` of them."""
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
+    keep = None if gpu_types is None else set(gpu_types)
+    gpus: list[int] = []
+    cpus: list[float] = []
+    mem: list[float] = []
+    kept = 0
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            if keep is not None and row["gpu_type"] not in keep:
+                continue
+            kept += 1
+            if (kept - 1) % stride:
+                continue
+            if limit is not None and len(gpus) >= limit:
+                break
+            gpus.append(int(float(row["cap_gpu"])))
+            cpus.append(float(row["cap_cpu"]))
+            mem.append(float(row["cap_mem"]))
+    return gpus, cpus, mem
+
+
+# -- inflation ------------------------------------------------------------------------------------
+
+
+def saturate(tasks: Sequence[Task], devices: Devices, policy: str, mix: Mix | None = None) -> dict:
+    """FGD's inflation experiment: tasks arrive in order and never leave (durations ignored).
+
+    Returns policy, placed, failed (tasks that did not fit when they arrived; later ones are
+    still tried), the curve of (arrived GPU demand, unallocated GPU capacity), both as shares of
+    the cluster's GPUs, and at the first task that brings arrived demand to 100% of capacity:
+    `stranded` (unallocated share), `stranded_gpus`, `failed_at_full` and `frag_at_full_gpus`
+    (F(M) then); these are None if the tasks never reach 100%. mix: FGD's target workload,
+    by default the mix of all `tasks` (as the paper does). `devices` is not changed."""
+    _check_policy(policy)
+    d = devices.copy()
+    if mix is None:
+        mix = Mix.of(t.request for t in tasks)
+    cap = d.total_gpus
+    if cap <= 0:
+        raise ValueError("saturate needs a cluster with GPUs")
+    demand, placed, failed = 0.0, 0, 0
+    curve_demand: list[float] = []
+    curve_free: list[float] = []
+    out: dict = {"policy": policy, "stranded": None, "stranded_gpus": None, "failed_at_full": None,
+                 "frag_at_full_gpus": None}
+    for t in tasks:
+        demand += t.request.total_gpu
+        slots = d.place(t.request, policy, mix)
+        if slots is None:
+            failed += 1
+        else:
+            d.take(slots)
+            placed += 1
+        curve_demand.append(demand / cap)
+        curve_free.append(d.free_gpus / cap)
+        if out["stranded"] is None and demand >= cap - EPS:
+            out.update(stranded=d.free_gpus / cap, stranded_gpus=d.free_gpus, failed_at_full=failed,
+                       frag_at_full_gpus=d.fragmentation(mix))
+    out.update(tasks=len(tasks), placed=placed, failed=failed,
+               curve={"demand": curve_demand, "unallocated": curve_free})
+    return out
+
+
+# -- event-driven simulation -------------------------------------------------------------------
+
+
+class ShareResult(BaseModel):
+    """What one policy did with one trace. Times in seconds; shares of the cluster's GPUs.
+
+    Time averages are over the arrival window [first submit, last submit], as in
+    `raylib.placement.simulate`: the drain after the last arrival measures the trace's tail (a
+    few long tasks), not the policy (over the whole run every policy has the same GPU-seconds
+    and nearly the same makespan). If all tasks arrive at once they are over the whole run.
+    "Blocked" means at least one queued task could not start (after the scan of that instant)."""
+
+    policy: str
+    tasks: int
+    finished: int
+    rejected: int
+    """Tasks that do not fit even the cluster as it was at time 0 (never queued)."""
+    mean_jct_s: float
+    p95_jct_s: float
+    mean_queue_delay_s: float
+    p95_queue_delay_s: float
+    utilisation: float
+    """Time-averaged allocated GPU capacity / total GPUs."""
+    stranded: float
+    """Time-averaged free GPU capacity / total GPUs over the instants the queue was blocked:
+    capacity that was free while work waited for it (0 if the queue never blocked)."""
+    stranded_all: float
+    """The same free capacity counted only while blocked, averaged over the whole window:
+    stranded x blocked_fraction."""
+    blocked_fraction: float
+    """Share of the window during which the queue was blocked."""
+    makespan_s: float
+    """Last completion - first submit."""
+    frag_avg_gpus: float
+    """Time-averaged F(M) of the cluster (GPUs), M = `measure_mix` (same for every policy)."""
+    frag_final_gpus: float
+    """F(M) right after the last arrival was handled (the busiest point, before the drain)."""
+    wall_s: float
+    jct_by_task: dict[str, float] = Field(default_factory=dict, exclude=True)
+    """Completion - submit of each finished task (left out of model_dump / to_dict)."""
+    queue_delay_by_task: dict[str, float] = Field(default_factory=dict, exclude=True)
+    """Start - submit of each finished task (left out of model_dump / to_dict)."""
+
+    def to_dict(self) -> dict:
+        return self.model_dump()
+
+
+def _dominates(f: Request, r: Request) -> bool:
+    """Whether single worker f not fitting anywhere means r's first worker cannot fit either
+    (the cluster only shrinks during one scan)."""
+    if r.cpu < f.cpu - EPS or r.mem < f.mem - EPS:
+        return False
+    if f.gpu == 0:
+        return True
+    if r.gpu == 0:
+        return False
+    if f.fraction:
+        return r.gpu >= f.gpu - EPS
+    return r.whole >= f.whole
+
+
+def simulate_sharing(
+    tasks: Sequence[Task],
+    devices: Devices,
+    policy: str,
+    mix_window: int = 500,
+    *,
+    mix: Mix | None = None,
+    measure_mix: Mix | None = None,
+) -> ShareResult:
+    """Replay `tasks` on a copy of `devices` (what is taken at time 0 stays taken) with `policy`.
+
+    mix: a fixed FGD target workload; None learns it online from the last `mix_window` requests
+    (Mix.of over the arrivals so far). measure_mix: the mix F(M) is reported against (default:
+    the mix of all tasks), the same for every policy so that their numbers compare."""
+    _check_policy(policy)
+    wall = time.perf_counter()
+    d = devices.copy()
+    at_start = devices.copy()
+    n = len(tasks)
+    if n == 0:
+        raise ValueError("simulate_sharing needs at least one task")
+    if mix_window < 1:
+        raise ValueError(f"mix_window must be >= 1 request, got {mix_window}")
+    measure = measure_mix or Mix.of(t.request for t in tasks)
+    order = sorted(range(n), key=lambda i: (tasks[i].submit, i))
+    recent: deque[Request] = deque(maxlen=mix_window)
+    counts: Counter[Request] = Counter()
+    online: Mix | None = mix
+    mix_stale = mix is None
+
+    node_frag = d.fragmentation_by_node(measure)
+    total = d.total_gpus
+    start: dict[int, float] = {}
+    finish: dict[int, float] = {}
+    running: dict[int, list[Slot]] = {}
+    rejected = 0
+    heap: list[tuple[float, int]] = []
+    queue: list[int] = []
+    pos = 0
+    t0 = tasks[order[0]].submit
+    t_last = tasks[order[-1]].submit
+    t_end = t_last if t_last > t0 else math.inf  # all at once: average over the whole run
+    t_prev = t0
+    alloc = total - d.free_gpus
+    free = d.free_gpus
+    blocked = False
+    alloc_int = blocked_t = free_blocked_int = frag_int = 0.0
+    frag_final = None
+
+    while pos < n or heap:
+        t = min(tasks[order[pos]].submit if pos < n else math.inf, heap[0][0] if heap else math.inf)
+        dt = max(0.0, min(t, t_end) - min(t_prev, t_end))
+        alloc_int += alloc * dt
+        frag_int += float(node_frag.sum()) * dt
+        if blocked:
+            blocked_t += dt
+            free_blocked_int += free * dt
+        t_prev = t
+        touched: set[int] = set()
+        while heap and heap[0][0] <= t:
+            _, i = heapq.heappop(heap)
+            slots = running.pop(i)
+            d.give(slots)
+            touched.update(s.node for s in slots)
+            finish[i] = t
+        while pos < n and tasks[order[pos]].submit <= t:
+            i = order[pos]
+            pos += 1
+            req = tasks[i].request
+            if mix is None:
+                if len(recent) == recent.maxlen:
+                    old = recent[0]
+                    counts[old.worker()] -= old.count
+                    if counts[old.worker()] <= 0:
+                        del counts[old.worker()]
+                recent.append(req)
+                counts[req.worker()] += req.count
+                mix_stale = True
+            if at_start.place(req, "best-fit") is None:
+                rejected += 1
+                continue
+            queue.append(i)
+        if queue:
+            if policy == "fgd" and mix_stale:
+                online = Mix.from_counts(counts)
+                mix_stale = False
+            failed: list[Request] = []
+            waiting = []
+            for i in queue:
+                req = tasks[i].request
+                if any(_dominates(f, req) for f in failed):
+                    waiting.append(i)
+                    continue
+                slots = d.place(req, policy, online)
+                if slots is None:
+                    if req.count == 1:
+                        failed.append(req)
+                    waiting.append(i)
+                    continue
+                d.take(slots)
+                touched.update(s.node for s in slots)
+                start[i] = t
+                running[i] = slots
+                heapq.heappush(heap, (t + tasks[i].duration, i))
+            queue = waiting
+        if touched:
+            nodes = sorted(touched)
+            node_frag[nodes] = d.fragmentation_by_node(measure, nodes)
+        if pos == n and frag_final is None:
+            frag_final = float(node_frag.sum())
+        free = d.free_gpus
+        alloc = total - free
+        blocked = bool(queue)
+
+    if queue:  # cannot happen: every queued task fits the time-0 cluster, which comes back
+        raise RuntimeError(f"{len(queue)} tasks never started")
+    if not np.allclose(d._free, at_start._free, atol=1e-6):
+        raise RuntimeError("capacity was not returned in full at the end of the run")
+    done = sorted(finish)
+    jct = np.array([finish[i] - tasks[i].submit for i in done])
+    delay = np.array([start[i] - tasks[i].submit for i in done])
+    span = t_prev - t0
+    window = min(t_end, t_prev) - t0
+    denom = window if window > 0 else 1.0
+    return ShareResult(
+        policy=policy, tasks=n, finished=len(done), rejected=rejected,
+        mean_jct_s=float(jct.mean()) if done else 0.0,
+        p95_jct_s=float(np.percentile(jct, 95)) if done else 0.0,
+        mean_queue_delay_s=float(delay.mean()) if done else 0.0,
+        p95_queue_delay_s=float(np.percentile(delay, 95)) if done else 0.0,
+        utilisation=alloc_int / (total * denom) if total else 0.0,
+        stranded=free_blocked_int / (total * blocked_t) if blocked_t > 0 and total else 0.0,
+        stranded_all=free_blocked_int / (total * denom) if total else 0.0,
+        blocked_fraction=blocked_t / denom,
+        makespan_s=span,
+        frag_avg_gpus=frag_int / denom,
+        frag_final_gpus=frag_final or 0.0,
+        wall_s=time.perf_counter() - wall,
+        jct_by_task={tasks[i].id: float(x) for i, x in zip(done, jct, strict=True)},
+        queue_delay_by_task={tasks[i].id: float(x) for i, x in zip(done, delay, strict=True)},
+    )
+
+
+def compare_sharing(tasks: Sequence[Task], make_devices: Callable[[], Devices],
+                    policies: Sequence[str] = POLICIES, **kw) -> list[ShareResult]:
+    """simulate_sharing of the same trace under each policy, each on a fresh cluster."""
+    return [simulate_sharing(tasks, make_devices(), p, **kw) for p in policies]

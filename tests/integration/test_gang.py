@@ -413,8 +413,9 @@ def test_shared_accelerators_pack_on_one_device_and_a_run_takes_its_share(
     assert len({p["rank_node"][0] for p in plans}) == 1
     assert all(p["bundles"][0]["GPU"] == 0.25 for p in plans)
     pgs = [get_placement_group(f"raylib-gang-{job}") for job in jobs]
-    in_group = [PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0) for pg in pgs]
-    sharers = [Sharer.options(num_gpus=0.25, num_cpus=0.5, scheduling_strategy=st).remote() for st in in_group]
+    in_pg = PlacementGroupSchedulingStrategy
+    sharers = [Sharer.options(num_gpus=0.25, num_cpus=0.5, scheduling_strategy=in_pg(
+        placement_group=pg, placement_group_bundle_index=0)).remote() for pg in pgs]
     seen = ray.get([s.where.remote() for s in sharers])
     assert len({node for node, _ in seen}) == 1
     devices = [ids[0] for _, ids in seen]

@@ -297,7 +297,9 @@ class GangQueue:
             else:  # must leave the head's reserved accelerators alone
                 self._try_start(job, now, bf_free, out)
         if not self._queue:
-            self._grow(now, out)
+            self._grow(now, out, None)
+        elif reserved is not None and self.policy.backfill:  # grow into what the head does not need
+            self._grow(now, out, reserved)
         for _, job in list(self._queue):
             if job.timeout is not None and now - job.queued_at >= job.timeout:
                 reason = self.why_waiting(job)
@@ -553,15 +555,18 @@ class GangQueue:
         assert started, "victims were chosen so that the job fits"
         return True
 
-    def _grow(self, now: float, out: list[Decision]) -> None:
-        """With nobody waiting: resize running elastic jobs (highest priority first) to the largest
-        size that fits on the free capacity plus their own."""
+    def _grow(self, now: float, out: list[Decision], reserved: np.ndarray | None) -> None:
+        """Resize running elastic jobs (highest priority first) to the largest size that fits on
+        the free capacity plus their own: all of it when nobody waits; while a blocked head waits
+        only what its reservation leaves (growing is backfilling workers: it cannot delay the head)."""
         for job in sorted(self._running.values(), key=lambda j: (-j.priority, j.start_time)):
             if not job.sizes or job.gpus == job.sizes[-1] or now - job.start_time < self.policy.grow_after_s:
                 continue
             quota = self._quota(job.tenant)
             room = None if quota is None else quota - self._tenant_use.get(job.tenant, 0) + job.gpus
             free = self.free + self._use[job.id]
+            if reserved is not None:
+                free = np.clip(free - reserved, 0, None)
             to = next((s for s in job.shapes() if s.world > job.gpus and (room is None or s.world <= room)
                        and self._fits(job, free, s)), None)
             if to is None:
@@ -574,7 +579,8 @@ class GangQueue:
             job.resizes += 1
             self._enqueue(job, now)
             out.append(Preempt(job, f"resize: grow from {was} to {to.world} workers"))
-            self._try_start(job, now, self.free, out)  # at once: nothing else is waiting
+            started = self._try_start(job, now, free, out)  # at once, on the capacity it was grown for
+            assert started
 
     def _reservation(self, head: Job, now: float) -> tuple[float | None, np.ndarray | None]:
         """When the head can start (running jobs ending by their estimates) and which of the

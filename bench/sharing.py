@@ -165,8 +165,8 @@ def main() -> None:
             "target": "report",
             "what": "avg JCT, multi-GPU jobs elastic (min = half) / all fixed, 16x8 cluster at load ~0.8"},
         "elastic_jct_ratio_overloaded": {
-            "value": round(flex["overloaded"]["elastic"]["avg_jct_s"] / flex["overloaded"]["fixed"]["avg_jct_s"],
-                           3),
+            "value": round(flex["overloaded"]["elastic"]["avg_jct_s"]
+                           / flex["overloaded"]["fixed"]["avg_jct_s"], 3),
             "target": "report", "what": "the same at offered load ~2 (the queue never empties)"},
     }
     for name, v in strand.items():

@@ -493,8 +493,9 @@ class ScalingSpec(_Section):
     gpus_per_worker: float = 1.0
     """The share of one accelerator each worker reserves (Ray's fractional GPU resource): below 1,
     jobs share devices (the gang scheduler packs the fractions; on CUDA each worker's memory is
-    capped at this share of its device). On CPU-only training (use_gpu false) the share is taken
-    from the cluster's logical GPUs: placement works the same way."""
+    capped at this share of its device). On CPU-only training (use_gpu false) a share below 1 is
+    taken from the cluster's logical GPUs: placement works the same way (1, the default, takes no
+    GPU there: a CPU job is placed by its CPUs)."""
     workload: Literal["auto", "compute", "io"] = "auto"
     """How the job loads a node, for co-location: the gang scheduler may put an io-bound job on a
     node beside a compute-bound one. auto: measured (the data-wait fraction of this run's last

@@ -288,8 +288,8 @@ class GangQueue:
                 bf_free, bf_version = np.clip(self.free - reserved, 0, None), self._version
                 free_total = int(self.free.sum())
             if job.share >= 1 and job.smallest.world > free_total:
-                if free_total == 0:
-                    break  # nothing left to backfill into
+                if free_total == 0 and not any(j.share < 1 for _, j in self._queue):
+                    break  # nothing left to backfill into (shared jobs may still fit on partial devices)
                 continue
             end = now + job.duration_estimate if job.duration_estimate is not None else None
             if end is not None and end <= shadow:
@@ -476,6 +476,18 @@ class GangQueue:
             for i, cap in enumerate(node.capacity):
                 self.free[base + i] = max(0, cap - int(busy[i])) if up else 0
 
+    def _releases(self, job_id: str) -> np.ndarray:
+        """Whole devices per island that become idle when `job_id` ends: a shared job's, those it
+        alone occupies (conservative: devices it shares with others stay busy in the estimate)."""
+        job = self.jobs[job_id]
+        if job.share >= 1:
+            return self._use[job_id]
+        out = np.zeros_like(self.free)
+        for (pos, dev), k in Counter((s_.node, s_.devices[0]) for s_ in self._slots[job_id]).items():
+            if abs(1 - self.devices.free[pos][dev] - k * job.share) < 1e-6:
+                out[self.topology.index.island_base[pos] + self._dev_island[pos][dev]] += 1
+        return out
+
     def _view(self, free: np.ndarray) -> Devices:
         """The devices as `free` sees them: idle devices beyond an island's count in `free`
         (reserved for the blocked head) are out of reach."""
@@ -597,7 +609,7 @@ class GangQueue:
         if not ends:
             return None, None
         # free capacity after the first k jobs end, for every k; fitting is monotone in k
-        after = self.free + np.cumsum([self._use[job_id] for _, job_id in ends], axis=0)
+        after = self.free + np.cumsum([self._releases(job_id) for _, job_id in ends], axis=0)
         k = bisect.bisect_left(range(len(ends)), True, key=lambda i: self._fits(head, after[i]))
         if k == len(ends):
             return None, None

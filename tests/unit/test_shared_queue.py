@@ -78,3 +78,16 @@ def test_a_share_that_can_never_fit_is_refused_with_the_reason():
         q.submit(shared("x", 0.6, workers=2))  # 1.2 of one device
     with pytest.raises(ValueError, match="sharing"):
         Policy(sharing="round-robin")
+
+
+def test_a_sharer_backfills_behind_a_blocked_whole_gpu_head_when_no_device_is_idle():
+    q = GangQueue(Topology.synthetic(nodes=1, gpus_per_node=2), Policy(preemption=False))
+    q.submit(Job(id="whole", parallelism=Parallelism(dp=1), duration_estimate=100.0))
+    q.submit(shared("half", 0.5, submit_time=1.0, duration_estimate=100.0))
+    q.tick(0.0)
+    assert q.free.sum() == 0  # one device whole-busy, the other half-shared
+    q.submit(Job(id="head", parallelism=Parallelism(dp=2), submit_time=2.0, duration_estimate=10.0))
+    q.submit(shared("late", 0.5, submit_time=3.0, duration_estimate=10.0))
+    out = q.tick(1.0)
+    assert [d.job.id for d in out] == ["late"]  # fills the shared device; the head waits for both
+    assert np.allclose(sorted(q.devices.free[0].tolist()), [0.0, 0.0])

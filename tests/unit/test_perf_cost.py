@@ -3,9 +3,10 @@ from the command line."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -53,8 +54,16 @@ def test_negative_prices_are_refused():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "raylib.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+    """`raylib ARGS` in this process (estimate starts no Ray: a subprocess would only add the imports)."""
+    from raylib.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_estimate_prices_the_demo_on_a_described_cluster_before_anything_runs(tmp_path):

@@ -454,8 +454,10 @@ class StrategySpec(_Section):
     attention and MLP projection, the group's ranks see the same batch, and the gang scheduler
     keeps the group inside one NVLink island. Data-parallel replicas (dp) = num_workers / (tp x pp)."""
     pipeline_parallel: int = Field(1, ge=1)
-    """Pipeline stages (pp). Planned and placed (`raylib plan`, the gang scheduler: stages on
-    neighbouring nodes); training with pp > 1 is refused until pipeline execution lands."""
+    """Pipeline stages (pp): the model's blocks split over pp ranks and run by DeepSpeed's pipeline
+    engine (1F1B schedule; the gradient accumulation steps are its micro-batches, so the bubble is
+    (pp - 1) / (m + pp - 1)). BERT masked-LM, GPT-2 and Llama causal-LM, ZeRO-0/1. Placed by the
+    gang scheduler with stages on neighbouring nodes."""
     kernels: Literal["eager", "fused", "compile", "auto"] = "eager"
     """The model's ops: eager (as transformers builds it), fused (raylib.ops' fused kernels: bias +
     GeLU, dropout + residual + LayerNorm, RMSNorm, the LM head's linear + cross-entropy on the

@@ -140,6 +140,7 @@ class ObjectStoreCheckpointer:
         self.family = run_family(spec, run_dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.tp = spec.strategy.tensor_parallel
+        self.pp = spec.strategy.pipeline_parallel
         self.store: CheckpointStore | None = None
         self._blocked: list[float] = []
         self._bytes = 0
@@ -265,13 +266,14 @@ class ObjectStoreCheckpointer:
         old rank's files). At the same layout (world size, tensor-parallel size) the state dicts
         the keepers hold go into `memory` instead (served to DeepSpeed from the object store)."""
         holders = reader.holders()
-        if saved_world == self.world and self._same_layout(reader, step, holders):
+        if self._same_layout(reader, step, holders, saved_world):
             # own part, the weights the first replica wrote for everyone, and (tensor parallel)
-            # the model files of every tp rank: DeepSpeed lists mp_rank_* and wants them all
+            # the model files of every tp rank: DeepSpeed lists mp_rank_* and wants them all;
+            # (pipeline) every stage's layer files, which the first replica's ranks wrote
             own = reader.fetch(step, self.rank, directory, holders=holders, memory=memory)
             sources = [own.source]
             group = self.rank - self.rank % self.tp
-            for other, select in [(r, deepspeed_io.shared) for r in range(self.tp)] + \
+            for other, select in [(r, deepspeed_io.shared) for r in range(self.tp * self.pp)] + \
                     [(r, deepspeed_io.model_states) for r in range(group, group + self.tp)]:
                 if other != self.rank:
                     sources.append(reader.fetch(step, other, directory, select, holders,
@@ -282,10 +284,19 @@ class ObjectStoreCheckpointer:
         parts = [reader.fetch(step, r, directory, holders=holders) for r in range(saved_world)]
         return dict(parts[0].meta.get("state") or {}), max((p.source for p in parts), key=SOURCES.index), True
 
-    def _same_layout(self, reader: CheckpointStore, step: int, holders: dict) -> bool:
-        """Whether step was saved with this run's tensor-parallel size (rank 0's part says)."""
-        part = reader.peek_meta(step, 0, holders)
-        return int(((part or {}).get("state") or {}).get("tp", 1)) == self.tp
+    def _same_layout(self, reader: CheckpointStore, step: int, holders: dict, saved_world: int) -> bool:
+        """Whether step was saved with this run's world, tensor- and pipeline-parallel sizes (rank
+        0's part says). Pipeline checkpoints load at their own layout only (their layer files name
+        the stage's modules, not the model's): another layout is refused with the fix."""
+        state = (reader.peek_meta(step, 0, holders) or {}).get("state") or {}
+        saved_pp = int(state.get("pp", 1))
+        if (saved_pp > 1 or self.pp > 1) and (saved_pp, saved_world) != (self.pp, self.world):
+            raise RuntimeError(
+                f"step {step} was saved by {saved_world} workers with pipeline_parallel={saved_pp}, "
+                f"and this run has {self.world} with pipeline_parallel={self.pp}: a pipeline "
+                "checkpoint resumes at its own layout only; resume with that layout (or export the "
+                "model with `raylib export` and start a new run from it)")
+        return saved_world == self.world and int(state.get("tp", 1)) == self.tp
 
     def _load(self, engine, directory: str, step: int, every_rank: bool,
               memory: dict[str, Any] | None = None) -> None:

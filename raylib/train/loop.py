@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     """Ray Train's train_loop_per_worker. Rank 0 returns the run's history."""
+    marks = [("loop entered", time.perf_counter())]
     on_gpu = config["on_gpu"]
     # Chosen before deepspeed is imported: it picks its accelerator at import time.
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if on_gpu else "cpu")
@@ -46,6 +47,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     from raylib.train.model import build_model
     from raylib.train.parallel import Layout, tensor_parallel_groups
 
+    marks.append(("imports", time.perf_counter()))
     spec = JobSpec.model_validate(config["spec"])
     index = DatasetIndex(**config["index"])
     task = task_for(spec, index)
@@ -58,8 +60,11 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     # file would otherwise hang deepspeed.initialize)
     ds_ops.load(ds_ops.needed(spec.strategy.offload_optimizer))
 
+    marks.append(("ds ops", time.perf_counter()))
     checkpointer = checkpointing.Checkpointer(spec, config["run_dir"])  # first: it connects meanwhile
+    marks.append(("checkpointer", time.perf_counter()))
     model = build_model(spec, index, seed=spec.run.seed)
+    marks.append(("model", time.perf_counter()))
     if spec.peft is not None:
         from raylib.train import adapter
 
@@ -67,9 +72,18 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         model = adapter.wrap(model, spec, model.config.model_type)
     kernels = _patch_kernels(model, spec, on_gpu, layout.tp)  # before DeepSpeed wraps (and shards) it
     mpu = tensor_parallel_groups(layout.tp, "nccl" if on_gpu else "gloo") if layout.tp > 1 else None
+    whole = None  # MFU counts the whole model's FLOPs (from its config), not one stage's
+    if layout.pp > 1:  # this rank's stage of the model (the rest is freed with the HF model)
+        from raylib.train import pipeline as pipe
+
+        whole = Utilisation.of(model, spec, index.seq_len, ds_config["train_batch_size"], on_gpu) \
+            if rank == 0 else None
+        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")  # over Ray Train's group
+        model = pipe.pipeline_module(model, spec, layout.world)
     engine, *_ = deepspeed.initialize(  # the optimizer gets (and ZeRO partitions) what is trained;
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],  # AutoTP
         config=ds_config, mpu=mpu)  # shards the projections here when tp > 1
+    marks.append(("deepspeed.initialize", time.perf_counter()))
     shared = device_share.cap_memory(share, on_gpu, engine.device)  # before the first step allocates
     reduction = grad_reduction.install(engine, spec)  # measured, or compressed (strategy.compression)
     start, state = checkpointer.restore(engine)
@@ -78,8 +92,10 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     peft = _peft_start(engine, spec, config, start, state) if spec.peft is not None else None
     verify = spec.run.verify
     # what came back, compared exactly with the saving run's final digest (a collective: every rank)
-    restored_digest = _parameter_digest(engine, spec.strategy.zero_stage) if start and verify else None
+    restored_digest = _parameter_digest(engine, spec.strategy.zero_stage, layout) \
+        if start and verify else None
     state = _own_state(state, rank)
+    marks.append(("restore", time.perf_counter()))
     reduction.load_state_dict(rank_state.get("compression"), same_world)  # error feedback, PowerSGD's Q
     _restore_rng(state.get("rng"), on_gpu)
     accum = engine.gradient_accumulation_steps()
@@ -104,19 +120,29 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
 
     node = ray.get_runtime_context().get_node_id()
     telemetry = _start_telemetry(spec, rank, ctx.get_local_rank(), node, on_gpu, config.get("gang"))
-    utilisation = Utilisation.of(engine.module, spec, index.seq_len, global_batch, on_gpu) \
-        if rank == 0 else None
+    utilisation = whole if layout.pp > 1 else \
+        Utilisation.of(engine.module, spec, index.seq_len, global_batch, on_gpu) if rank == 0 else None
     probe_job = _job_probe(config.get("gang"), rank, engine.device, telemetry)
+    marks.append(("data, evaluator, telemetry", time.perf_counter()))
+    log.info("startup: %s", ", ".join(
+        f"{name} {t - prev:.2f} s" for (name, t), (_, prev) in zip(marks[1:], marks[:-1], strict=True)))
     stop_code = 0
     losses: list[float] = []
     step_times: list[float] = []
     parts = StepParts()
+    if layout.pp > 1:  # the pipeline engine pulls its micro-batches (first stage: inputs, last: labels)
+        batches = _pipe_batches(batches, spec.task.type, parts)
     loop_start = time.perf_counter()
     try:
         for step in range(start, spec.run.steps):
             t0 = time.perf_counter()
             total = 0.0
-            for _ in range(accum):
+            if layout.pp > 1:  # accum micro-batches through the stages (1F1B), then the step
+                with parts.phase("checkpoint"):
+                    checkpointer.fence()
+                with parts.phase("compute"):
+                    total = engine.train_batch(data_iter=batches).item() * accum
+            for _ in range(accum if layout.pp == 1 else 0):
                 tw = time.perf_counter()
                 batch = next(batches)
                 parts.data_wait += time.perf_counter() - tw
@@ -148,7 +174,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
                     telemetry.gauges.set("step_time_s", step_times[-1])
             if evaluator and _eval_due(spec, done):
                 te = time.perf_counter()
-                metrics.update(evaluator(engine))
+                metrics.update(evaluator(engine) if layout.pp == 1 else _pipe_eval(engine, evaluator, spec))
                 evals.append({"step": done, **{k: v for k, v in metrics.items() if k.startswith("eval_")}})
                 loop_start += time.perf_counter() - te  # evaluation is not training time
             # a preempted job (or one a health rule isolated or stopped) checkpoints here and stops;
@@ -158,7 +184,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
             if stop_code or _checkpoint_due(spec, done):
                 with parts.phase("checkpoint"):
                     compression = reduction.state_dict()
-                    client = _client_state(pipeline, on_gpu, config.get("peft_base"), layout.tp)
+                    client = _client_state(pipeline, on_gpu, config.get("peft_base"), layout.tp, layout.pp)
                     checkpointer.save(engine, done, metrics, client,
                                       rank_state={"compression": compression} if compression else None)
             elif done % spec.run.log_every == 0 or (evals and evals[-1]["step"] == done):
@@ -184,7 +210,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     ranks: list[tuple | None] = [None] * dist.get_world_size()
     rank_telemetry = telemetry.finish() if telemetry is not None else None
     data_brief = {k: v for k, v in data_metrics.items() if k != "timeline"} if data_metrics else None
-    digest = _parameter_digest(engine, spec.strategy.zero_stage) if verify else None
+    digest = _parameter_digest(engine, spec.strategy.zero_stage, layout) if verify else None
     shard = _shard_digest(engine) if verify and layout.tp > 1 else None
     if peft is not None and verify:
         peft["frozen_digest_end"], peft["trainable_digest_end"] = adapter.split_digests(engine.module)
@@ -286,6 +312,43 @@ def _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start
     return pipeline
 
 
+def _pipe_batches(batches: Iterator[dict[str, Any]], task: str, parts: StepParts):
+    """The task's batches as the pipeline engine's ((inputs), labels) micro-batches; the time spent
+    waiting for them counts as data wait."""
+    from raylib.train.pipeline import micro_batch
+
+    while True:
+        tw = time.perf_counter()
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        parts.data_wait += time.perf_counter() - tw
+        yield micro_batch(batch, task)
+
+
+def _pipe_eval(engine, evaluator, spec) -> dict[str, float]:
+    """Evaluation through the stages: each validation micro-batch's loss (the last stage computes
+    it, every stage gets it), counted as the task counts it. Language-model tasks only (pipeline
+    stages exist for those): their metrics need the loss and the labels, not the logits. The
+    stages exchange fixed-shape buffers: a short last batch of the split is left out."""
+    import torch
+    import torch.distributed as dist
+
+    from raylib.train.pipeline import micro_batch
+
+    counts, rows = None, engine.train_micro_batch_size_per_gpu()
+    for batch in (b for b in evaluator.batches if len(b["input_ids"]) == rows):
+        loss = engine.eval_batch(iter([micro_batch(batch, spec.task.type)]), num_micro_batches=1)
+        c = torch.tensor(evaluator.task.eval_counts(None, loss.float(), batch), dtype=torch.float64)
+        counts = c if counts is None else counts + c
+    engine.train()
+    counts = counts.to(evaluator.device)
+    dist.all_reduce(counts)  # every stage holds its replica's counts: divide the pp copies out
+    counts /= engine.num_stages
+    return {f"eval_{k}": v for k, v in evaluator.task.eval_metrics(counts.cpu().tolist()).items()}
+
+
 def _communication(ranks: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     """Rank 0's reduction metrics (grad_reduction.GradReduction.metrics), with every rank's bytes
     and reduction time per step beside them."""
@@ -295,7 +358,8 @@ def _communication(ranks: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     return {**ranks[0], "ranks": [{k: r[k] for k in keep} for r in ranks if r is not None]}
 
 
-def _client_state(pipeline, on_gpu: bool, peft_base: str | None = None, tp: int = 1) -> dict[str, Any]:
+def _client_state(pipeline, on_gpu: bool, peft_base: str | None = None, tp: int = 1,
+                  pp: int = 1) -> dict[str, Any]:
     """What a rank saves besides the engine: where its data stream is, and its RNG (dropout), so
     a resumed run continues exactly as an uninterrupted one would; for PEFT, the base's digest."""
     import torch
@@ -309,7 +373,7 @@ def _client_state(pipeline, on_gpu: bool, peft_base: str | None = None, tp: int 
     # rank's state goes in, each rank takes its own back on restore.
     everyone: list[dict[str, Any] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    return {"ranks": everyone, "tp": tp, **({"peft_base": peft_base} if peft_base else {})}
+    return {"ranks": everyone, "tp": tp, "pp": pp, **({"peft_base": peft_base} if peft_base else {})}
 
 
 def _own_state(state: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -420,9 +484,22 @@ def _batches(shard, micro_batch: int, device, prefetch: int) -> Iterator[dict[st
             )
 
 
-def _parameter_digest(engine, zero_stage: int) -> str:
-    """A hash of the full parameters (gathered from ZeRO-3 partitions and tensor-parallel shards):
-    equal on every rank iff the replicas agree, whatever the layout."""
+def _parameter_digest(engine, zero_stage: int, layout=None) -> str:
+    """A hash of the full parameters (gathered from ZeRO-3 partitions and tensor-parallel shards;
+    with pipeline stages, the hash of the replica's stage hashes in order): equal on every rank iff
+    the replicas agree, whatever the layout."""
+    digest = _local_digest(engine, zero_stage)
+    if layout is None or layout.pp == 1:
+        return digest
+    import torch.distributed as dist
+
+    everyone: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, digest)
+    first, size = layout.dp_rank * layout.pp * layout.tp, layout.pp * layout.tp
+    return hashlib.sha256("".join(everyone[first:first + size]).encode()).hexdigest()
+
+
+def _local_digest(engine, zero_stage: int) -> str:
     import deepspeed
     from deepspeed.module_inject.layers import GatherReplacedLayerParams
 

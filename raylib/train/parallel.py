@@ -1,4 +1,4 @@
-"""The training layout: data parallel x tensor parallel (DeepSpeed AutoTP) over the workers.
+"""The training layout: data parallel x pipeline parallel x tensor parallel over the workers.
 
 Ranks are numbered the way the gang scheduler plans them (placement.planner.Parallelism): the tp
 index varies fastest, so a tp group is tp consecutive ranks, the ones the plan put inside one
@@ -6,8 +6,10 @@ NVLink island, and DeepSpeed's (data_parallel, tensor_parallel) mesh has the sam
 of a tp group hold different shards of every attention and MLP projection and must see the same
 batch: data is read and evaluated by data-parallel rank (rank // tp) over dp replicas.
 
-Pipeline parallelism is planned and placed but not executed: `check_layout` refuses pp > 1 for
-training rather than train pp replicas of the whole model under a layout that claims otherwise.
+Pipeline stages (raylib.train.pipeline, DeepSpeed's pipeline engine) sit between the two: rank =
+(dp_index * pp + stage) * tp + tp_index, the order the planner places (stages on neighbouring
+nodes). Every stage of a replica reads that replica's data (the first feeds the inputs, the last
+the labels).
 """
 
 from __future__ import annotations
@@ -33,20 +35,27 @@ class Layout:
     rank: int
     world: int
     tp: int = 1
+    pp: int = 1
 
     @classmethod
     def of(cls, spec: JobSpec, rank: int) -> Layout:
-        return cls(rank=rank, world=spec.world_size, tp=spec.strategy.tensor_parallel)
+        return cls(rank=rank, world=spec.world_size, tp=spec.strategy.tensor_parallel,
+                   pp=spec.strategy.pipeline_parallel)
 
     @property
     def dp(self) -> int:
         """Data-parallel replicas."""
-        return self.world // self.tp
+        return self.world // (self.tp * self.pp)
 
     @property
     def dp_rank(self) -> int:
         """This rank's replica: what it reads and evaluates."""
-        return self.rank // self.tp
+        return self.rank // (self.tp * self.pp)
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage."""
+        return (self.rank // self.tp) % self.pp
 
     @property
     def tp_rank(self) -> int:
@@ -54,7 +63,7 @@ class Layout:
 
     @property
     def tp_group(self) -> list[int]:
-        first = self.dp_rank * self.tp
+        first = self.rank - self.tp_rank
         return list(range(first, first + self.tp))
 
     @property
@@ -69,11 +78,14 @@ def check_layout(spec: JobSpec, config: PretrainedConfig) -> None:
     a ValueError that names the setting and the fix (before anything is reserved)."""
     s = spec.strategy
     if s.pipeline_parallel > 1:
-        raise ValueError(
-            f"strategy.pipeline_parallel={s.pipeline_parallel}: pipeline-parallel training is not "
-            "available yet (`raylib plan` and the gang scheduler place pp stages, but the workers "
-            "would train whole-model replicas); set pipeline_parallel: 1 and use tensor_parallel "
-            "and/or ZeRO-3 to split the model")
+        from raylib.train.pipeline import check
+
+        check(spec, config)
+        if spec.data.reader == "ray_data" and not spec.data.tiers:
+            raise ValueError(
+                f"data.reader: ray_data with strategy.pipeline_parallel={s.pipeline_parallel}: Ray "
+                "Data splits rows across every worker, but the stages of a pipeline must see the "
+                "same micro-batches; use data.reader: rank")
     tp = s.tensor_parallel
     if tp == 1:
         return

@@ -1,8 +1,9 @@
-"""Tensor parallelism for real: DeepSpeed AutoTP inside the Ray Train workers (gloo), Llama with
-one layer. One tp=2 run is checked by every test here (CI time is scarce): against a one-rank
-reference on the same global batch (loss parity), through a SIGKILLed worker (resumed from its
-in-memory tensor-parallel checkpoint), exported whole, and resumed at another layout (tp=1)
-through DeepSpeed's universal checkpoint. The gang-scheduled layout: test_gang.py."""
+"""Tensor and pipeline parallelism for real inside the Ray Train workers (gloo), Llama with two
+layers. One tp=2 run (DeepSpeed AutoTP) and one pp=2 run (DeepSpeed's pipeline engine) are checked
+by every test here (CI time is scarce), both against one one-rank reference on the same global
+batch (loss parity), both through a SIGKILLed worker (resumed from their in-memory checkpoints);
+the tp run is also exported whole and resumed at another layout (tp=1) through DeepSpeed's
+universal checkpoint. The gang-scheduled layout: test_gang.py."""
 
 from __future__ import annotations
 
@@ -20,20 +21,23 @@ STEPS, LONGER = 6, 8
 RTOL = 1e-5  # fp32: a tp group sums partial products in another order than one rank does
 
 
-def tp_spec(data: str, out, name: str, tp: int, workers: int, steps: int) -> JobSpec:
+def tp_spec(data: str, out, name: str, tp: int, workers: int, steps: int, pp: int = 1) -> JobSpec:
     return JobSpec.from_dict({
         "name": name,
-        "model": {"family": "llama", "overrides": {"num_hidden_layers": 1}},
+        "model": {"family": "llama", "overrides": {"num_hidden_layers": 2}},
         "task": {"type": "causal_lm"},
         "data": {"path": data, "manifest": None},
         # the same global batch on every layout (dp=1 here: the data order is the same too);
         # clipping off: its global norm would be one more reduction order to compare
-        "strategy": {"zero_stage": 1, "tensor_parallel": tp, "global_batch_size": 16,
+        # (pp: 4 micro-batches of 4 rows through the 2 stages)
+        "strategy": {"zero_stage": 1, "tensor_parallel": tp, "pipeline_parallel": pp,
+                     "global_batch_size": 16, "micro_batch_size": 4,
                      "gradient_clipping": 0.0, "optimizer": {"lr": 3e-3},
                      "lr_schedule": {"type": "constant"}},
         "scaling": {"num_workers": workers},
         "checkpoint": {"interval_steps": 2, "persist_every": 1},
-        "run": {"steps": steps, "log_every": 2, "output_dir": str(out), "verify": True},
+        "run": {"steps": steps, "log_every": 2, "output_dir": str(out), "verify": True,
+                "eval_every": STEPS, "eval_batches": 2},  # whole micro-batches: pp evaluates no short one
     })
 
 
@@ -43,8 +47,8 @@ def close(a: list[float], b: list[float]) -> bool:
 
 @pytest.fixture(scope="module")
 def runs(built_dataset, tmp_path_factory):
-    """The one-rank reference (8 steps) and the tp=2 run (6 steps, a worker SIGKILLed after its
-    first complete in-memory checkpoint)."""
+    """The one-rank reference (8 steps), the tp=2 and the pp=2 runs (6 steps each, a worker
+    SIGKILLed after its first complete in-memory checkpoint)."""
     from raylib import runtime
     from tests.integration.conftest import connect_driver
 
@@ -57,7 +61,14 @@ def runs(built_dataset, tmp_path_factory):
     killer.start()
     tp2 = run(tp_spec(data, out, "tp2", tp=2, workers=2, steps=STEPS), progress=False)
     killer.join(timeout=5)
-    return {"data": data, "out": out, "reference": reference, "tp2": tp2, "seen": seen}
+    pp_seen: dict = {}
+    killer = threading.Thread(target=kill_a_worker_after_a_checkpoint, args=(None, "pp2-", pp_seen),
+                              daemon=True)
+    killer.start()
+    pp2 = run(tp_spec(data, out, "pp2", tp=1, workers=2, steps=STEPS, pp=2), progress=False)
+    killer.join(timeout=5)
+    return {"data": data, "out": out, "reference": reference, "tp2": tp2, "seen": seen,
+            "pp2": pp2, "pp_seen": pp_seen}
 
 
 def test_tp2_trains_like_one_rank_and_resumes_its_shards_exactly(runs):
@@ -112,3 +123,29 @@ def test_the_tp_checkpoint_resumes_at_another_layout(runs):
     assert s["start_step"] == STEPS and s["checkpoint"]["restored_step"] == STEPS
     assert s["parallelism"]["tp"] == 1
     assert close(s["loss_curve"], ref["loss_curve"][STEPS:]), (s["loss_curve"], ref["loss_curve"])
+
+
+def test_pp2_trains_like_one_rank_and_resumes_its_stages_exactly(runs):
+    ref, s = runs["reference"].summary, runs["pp2"].summary
+    assert "killed_after" in runs["pp_seen"], "the run ended before a worker could be killed"
+    assert s["parallelism"] == {"dp": 1, "tp": 1, "pp": 2}
+    assert s["start_step"] > 0 and s["checkpoint"]["restore_source"].startswith("memory-"), s["checkpoint"]
+    assert s["checkpoint"]["restored_step"] == s["start_step"]
+    assert close(s["loss_curve"], ref["loss_curve"][s["start_step"]:STEPS]), \
+        (s["loss_curve"], ref["loss_curve"])
+    # evaluated through the stages: the same validation loss as the unsplit model at that step
+    (last,) = [e for e in ref["evals"] if e["step"] == STEPS] or [None]
+    assert last is not None and close([s["evals"][-1]["eval_loss"]], [last["eval_loss"]]), \
+        (s["evals"], ref["evals"])
+    # both stages hash the replica's stages in order: one model, and the one that was restored
+    assert s["param_digests_agree"] and s["restored_param_digest"]
+    assert s["utilisation"]["mfu"] > 0  # the whole model's FLOPs, not one stage's
+
+
+def test_a_pipeline_stage_holds_its_blocks_only(runs):
+    whole = runs["reference"].summary["param_elements_per_rank"][0]
+    first, last = runs["pp2"].summary["param_elements_per_rank"]
+    # one block each; the first holds the embedding, the last the norm and the LM head (Llama's
+    # is untied: no copy of the embedding), so together they hold the model exactly once
+    assert first + last == whole
+    assert max(first, last) < 0.75 * whole

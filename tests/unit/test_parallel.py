@@ -78,7 +78,16 @@ def test_ranks_are_ordered_like_the_gang_schedulers_plan():
     ("gpt2", "causal_lm", 2, {}, {}, r"cannot shard a 'gpt2' model"),
     ("bert", "masked_lm", 4, {}, {}, r"does not divide the model's num_attention_heads=2"),
     ("llama", "causal_lm", 4, {}, {}, r"does not divide the model's num_key_value_heads=2"),
-    ("llama", "causal_lm", 2, {"pipeline_parallel": 2}, {}, r"pipeline-parallel training is not available"),
+    ("llama", "causal_lm", 2, {"pipeline_parallel": 2, "zero_stage": 1}, {},
+     r"tensor parallelism inside pipeline stages"),
+    ("llama", "causal_lm", 1, {"pipeline_parallel": 2, "zero_stage": 2}, {}, r"ZeRO-0 or ZeRO-1 only"),
+    ("llama", "causal_lm", 1, {"pipeline_parallel": 4}, {}, r"more stages than the model's 2 transformer"),
+    ("bert", "causal_lm", 1, {"pipeline_parallel": 2, "zero_stage": 1}, {},
+     r"no pipeline stages for a 'bert' causal_lm"),
+    ("gpt2", "causal_lm", 1, {"pipeline_parallel": 2, "zero_stage": 1}, {"peft": {"method": "lora"}},
+     r"whole-model replicas"),
+    ("gpt2", "causal_lm", 1, {"pipeline_parallel": 2, "zero_stage": 1}, {"data": {"reader": "ray_data"}},
+     r"stages of a pipeline must see"),
     ("llama", "causal_lm", 2, {}, {"peft": {"method": "lora"}}, r"peft wraps them"),
     ("llama", "causal_lm", 2, {}, {"data": {"reader": "ray_data"}}, r"must see the same batch"),
 ])
@@ -95,6 +104,27 @@ def test_supported_layouts_pass():
             url="/d", seq_len=32, vocab_size=600, shards=[], special_ids={"pad": 0}, kind="examples",
             columns=["input_ids", "attention_mask", "label"], label_names=["a", "b"])
         check_layout(s, model_config(s, index))
+    for family, task in [("bert", "masked_lm"), ("gpt2", "causal_lm"), ("llama", "causal_lm")]:
+        s = spec(family, task, tp=1, strategy={"pipeline_parallel": 2, "zero_stage": 1})
+        check_layout(s, model_config(s, LM_INDEX))
+
+
+def test_pipeline_stages_sit_between_tp_and_dp_in_the_planners_rank_order():
+    """DeepSpeed's stage groups are built from the planner's order: a rank's (dp, stage, tp) in
+    the pipeline topology is its coordinates in the plan, and a replica's data is read by its
+    stages (dp rank) alone."""
+    from raylib.train.pipeline import bubble_fraction, topology
+
+    s = spec(tp=2, workers=8, strategy={"pipeline_parallel": 2})
+    par, topo = Parallelism.of(s), topology(8, pp=2, tp=2)
+    assert (par.dp, par.pp, par.tp) == (2, 2, 2)
+    for rank in range(8):
+        layout, (d, p, t) = Layout.of(s, rank), par.coords(rank)
+        assert (layout.dp_rank, layout.stage, layout.tp_rank) == (d, p, t)
+        coord = topo.get_coord(rank)
+        assert (coord.data, coord.pipe, coord.model) == (d, p, t)
+        assert layout.tp_group == [par.rank(d, p, i) for i in range(2)]
+    assert bubble_fraction(pp=4, micro_batches=8) == 3 / 11 and bubble_fraction(1, 8) == 0
 
 
 def test_memory_model_divides_the_sharded_projections_by_tp():

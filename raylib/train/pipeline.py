@@ -1,0 +1,209 @@
+"""Pipeline parallelism: an HF model cut into DeepSpeed pipeline stages.
+
+The model is built whole (the same seed, so the same initial weights as an unsplit run), then
+re-expressed as a layer list for `deepspeed.pipe.PipelineModule`: an embedding layer, one layer
+per transformer block, the final norm / MLM transform and the output projection. Each stage keeps
+only its slice (the rest is freed with the HF model). The output projection shares the input
+embedding matrix (BERT, GPT-2, and Llama when `tie_word_embeddings`), so the embedding is a
+`TiedLayerSpec`: DeepSpeed keeps a copy on the first and the last stage and sums the two
+gradients every step, which is what the tied model computes.
+
+Between stages a micro-batch travels as (hidden states, aux), aux being the integer attention
+mask (masked-LM) or the packed-document position ids (causal-LM); each block rebuilds the
+attention mask from it with transformers' own mask functions, so every stage attends exactly as
+the unsplit model does. Integer tensors get no gradient in DeepSpeed's pipeline, so only the
+hidden states flow back.
+
+Stage order follows the gang scheduler's plan (`placement.planner.Parallelism`): rank =
+(dp_index * pp + stage) * tp + tp_index, i.e. DeepSpeed's ProcessTopology with axes
+(data, pipe, model). DeepSpeed runs its 1F1B schedule (`TrainSchedule`); `micro_batches` is the
+gradient accumulation count, and the bubble is (pp - 1) / (m + pp - 1) of a step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from raylib.spec import JobSpec
+
+# family -> the task its pipeline layers implement (the HF head they reproduce)
+PP_FAMILIES = {"bert": "masked_lm", "gpt2": "causal_lm", "llama": "causal_lm"}
+IGNORE_INDEX = -100
+
+
+def check(spec: JobSpec, config) -> None:
+    """pp > 1 against the model, task and the features it cannot combine with; a ValueError that
+    names the setting and the fix (raised before anything is reserved)."""
+    s = spec.strategy
+    pp = s.pipeline_parallel
+    family, task = config.model_type, spec.task.type
+    if PP_FAMILIES.get(family) != task:
+        supported = ", ".join(f"{f} ({t})" for f, t in PP_FAMILIES.items())
+        raise ValueError(
+            f"strategy.pipeline_parallel={pp}: no pipeline stages for a {family!r} {task} model "
+            f"(supported: {supported}); use pipeline_parallel: 1 with ZeRO-3 or tensor_parallel")
+    layers = config.num_hidden_layers
+    if pp > layers:
+        raise ValueError(
+            f"strategy.pipeline_parallel={pp} is more stages than the model's {layers} transformer "
+            f"layers; use pipeline_parallel <= {layers}")
+    if s.zero_stage > 1:
+        raise ValueError(
+            f"strategy.zero_stage={s.zero_stage} with pipeline_parallel={pp}: DeepSpeed's pipeline "
+            "engine runs with ZeRO-0 or ZeRO-1 only (ZeRO-2/3 partition the gradients and parameters "
+            "it sends between stages); set zero_stage: 1")
+    if s.tensor_parallel > 1:
+        raise ValueError(
+            f"strategy.tensor_parallel={s.tensor_parallel} with pipeline_parallel={pp}: tensor "
+            "parallelism inside pipeline stages is not available yet (AutoTP's groups have no "
+            "pipeline axis); use one of the two")
+    if spec.peft is not None:
+        raise ValueError(f"peft with strategy.pipeline_parallel={pp}: adapters are fine-tuned on "
+                         "whole-model replicas; set pipeline_parallel: 1")
+
+
+def topology(world: int, pp: int, tp: int = 1):
+    """DeepSpeed's process topology in the planner's rank order (tp fastest, then pipe, data)."""
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    return ProcessTopology(axes=["data", "pipe", "model"], dims=[world // (pp * tp), pp, tp])
+
+
+def pipeline_module(model, spec: JobSpec, world: int):
+    """The HF `model` as a PipelineModule of spec.strategy.pipeline_parallel stages."""
+    from deepspeed.pipe import PipelineModule
+
+    layers = _layers(model)
+    return PipelineModule(layers=layers, topology=topology(world, spec.strategy.pipeline_parallel),
+                          loss_fn=_loss_fn(spec.task.type), partition_method="type:Block",
+                          activation_checkpoint_interval=0)
+
+
+def micro_batch(batch: dict[str, Any], task: str) -> tuple[tuple[Any, Any], Any]:
+    """A task batch (the dict the unsplit model takes) as the pipeline's ((inputs), labels)."""
+    aux = batch["attention_mask"] if task == "masked_lm" else batch["position_ids"]
+    return (batch["input_ids"], aux), batch["labels"]
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """The idle share of a 1F1B / GPipe step: (pp - 1) / (m + pp - 1)."""
+    return (pp - 1) / (micro_batches + pp - 1)
+
+
+# -- the layers ----------------------------------------------------------------------------------
+
+
+class Embed(nn.Module):
+    """(input_ids, aux) -> (hidden, aux), as the family's model embeds its inputs."""
+
+    def __init__(self, family: str, embeddings: nn.Module):
+        super().__init__()
+        self.family, self.embeddings = family, embeddings
+
+    def forward(self, inputs):
+        ids, aux = inputs
+        if self.family == "bert":
+            return self.embeddings(input_ids=ids), aux
+        if self.family == "gpt2":
+            e = self.embeddings
+            return e["drop"](e["wte"](ids) + e["wpe"](aux)), aux  # aux: the position ids
+        return self.embeddings(ids), aux
+
+
+class Block(nn.Module):
+    """One transformer block: (hidden, aux) -> (hidden, aux), with the mask the whole model makes."""
+
+    def __init__(self, family: str, config, block: nn.Module, rotary: nn.Module | None = None):
+        super().__init__()
+        self.family, self.config, self.block = family, config, block
+        self.rotary = rotary  # Llama's rotary embedding: buffers only, a copy on every stage
+
+    def forward(self, inputs):
+        from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+
+        hidden, aux = inputs
+        if self.family == "bert":
+            mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=aux)
+            return self.block(hidden, mask), aux
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                  cache=None, position_ids=aux)  # packed documents: block-diagonal
+        if self.family == "gpt2":
+            return self.block(hidden, None, mask, position_ids=aux, use_cache=False), aux
+        rope = self.rotary(hidden, position_ids=aux)
+        return self.block(hidden, attention_mask=mask, position_embeddings=rope, position_ids=aux,
+                          use_cache=False), aux
+
+
+class Last(nn.Module):
+    """What runs between the last block and the output projection (final norm, MLM transform)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, inputs):
+        return self.module(inputs[0])
+
+
+class Bias(nn.Module):
+    """The MLM decoder's output-only bias (its weight is the tied embedding)."""
+
+    def __init__(self, bias: nn.Parameter):
+        super().__init__()
+        self.bias = bias
+
+    def forward(self, logits):
+        return logits + self.bias
+
+
+def _layers(model) -> list:
+    family, config = model.config.model_type, model.config
+    if family == "bert":
+        embed, head = Embed(family, model.bert.embeddings), model.cls.predictions
+        attr = "embeddings.word_embeddings.weight"
+        return [_tied(embed, attr), *(Block(family, config, b) for b in model.bert.encoder.layer),
+                Last(head.transform),
+                _tied(embed, attr, lambda m, h: F.linear(h, m.embeddings.word_embeddings.weight)),
+                Bias(head.decoder.bias)]
+    if family == "gpt2":
+        t = model.transformer
+        embed = Embed(family, nn.ModuleDict({"wte": t.wte, "wpe": t.wpe, "drop": t.drop}))
+        return [_tied(embed, "embeddings.wte.weight"), *(Block(family, config, b) for b in t.h),
+                Last(t.ln_f), _tied(embed, "embeddings.wte.weight",
+                                    lambda m, h: F.linear(h, m.embeddings.wte.weight))]
+    if family == "llama":
+        m = model.model
+        embed = Embed(family, m.embed_tokens)
+        blocks = [Block(family, config, b, m.rotary_emb) for b in m.layers]
+        if not config.tie_word_embeddings:
+            return [embed, *blocks, Last(m.norm), model.lm_head]
+        return [_tied(embed, "embeddings.weight"), *blocks, Last(m.norm),
+                _tied(embed, "embeddings.weight", lambda e, h: F.linear(h, e.embeddings.weight))]
+    raise ValueError(f"no pipeline layers for model family {family!r}")
+
+
+def _tied(module: nn.Module, attr: str, forward_fn=None):
+    """A TiedLayerSpec over an already built module (the whole model was built with its seed)."""
+    from deepspeed.pipe import TiedLayerSpec
+
+    class Built(TiedLayerSpec):
+        def build(self, log=False):
+            return module
+
+    return Built("embed", type(module), forward_fn=forward_fn, tied_weight_attr=[attr])
+
+
+def _loss_fn(task: str):
+    def masked_lm(logits, labels):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                               ignore_index=IGNORE_INDEX)
+
+    def causal_lm(logits, labels):  # position t predicts label t+1, as transformers' loss shifts
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                               labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
+
+    return masked_lm if task == "masked_lm" else causal_lm

@@ -65,6 +65,8 @@ class RunHistory:
     """The health rule that stopped (code 2) or moved (code 1) the job, if one did."""
     device_share: dict[str, Any] | None = None
     """scaling.gpus_per_worker: the share and what enforced it (train.device_share.cap_memory)."""
+    pipeline: dict[str, Any] | None = None
+    """strategy.pipeline_parallel > 1: the bubble measured per stage beside (pp-1)/(m+pp-1)."""
     segments: list[dict[str, Any]] = field(default_factory=list)
     """One per fit of the run: its first step, steps, workers and global batch (an elastic job's
     resizes show here)."""

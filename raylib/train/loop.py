@@ -130,8 +130,10 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     losses: list[float] = []
     step_times: list[float] = []
     parts = StepParts()
+    clock = None
     if layout.pp > 1:  # the pipeline engine pulls its micro-batches (first stage: inputs, last: labels)
         batches = _pipe_batches(batches, spec.task.type, parts)
+        clock = pipe.StageClock(engine)  # busy vs waiting per stage: the bubble, measured
     loop_start = time.perf_counter()
     try:
         for step in range(start, spec.run.steps):
@@ -140,7 +142,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
             if layout.pp > 1:  # accum micro-batches through the stages (1F1B), then the step
                 with parts.phase("checkpoint"):
                     checkpointer.fence()
-                with parts.phase("compute"):
+                with parts.phase("compute"), clock.train_batch():
                     total = engine.train_batch(data_iter=batches).item() * accum
             for _ in range(accum if layout.pp == 1 else 0):
                 tw = time.perf_counter()
@@ -220,7 +222,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
             os.makedirs(os.path.join(config["run_dir"], "verify"), exist_ok=True)
             torch.save(probed, os.path.join(config["run_dir"], "verify", "probe.pt"))
     dist.all_gather_object(ranks, (digest, node, data_brief, _peak_memory(on_gpu), _own_elements(engine),
-                                  shard, reduction.metrics(), parts.to_dict(loop_s), rank_telemetry))
+                                  shard, reduction.metrics(), parts.to_dict(loop_s), rank_telemetry,
+                                  clock.to_dict() if clock else None))
     if rank != 0:
         return None
     return RunHistory(
@@ -237,6 +240,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         breakdown=[r[7] for r in ranks], telemetry=[r[8] for r in ranks],
         utilisation=utilisation.to_dict() if utilisation else None,
         stopped_by=_stopped_by(stop_code, [r[8] for r in ranks]), device_share=shared,
+        pipeline=pipe.summary([r[9] for r in ranks], layout.pp, accum) if layout.pp > 1 else None,
     )
 
 

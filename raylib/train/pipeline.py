@@ -22,6 +22,8 @@ gradient accumulation count, and the bubble is (pp - 1) / (m + pp - 1) of a step
 
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch.nn.functional as F
@@ -207,3 +209,65 @@ def _loss_fn(task: str):
                                labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
 
     return masked_lm if task == "masked_lm" else causal_lm
+
+
+# -- the bubble, measured ------------------------------------------------------------------------
+
+
+class StageClock:
+    """Where this stage's pipeline time goes: its forward and backward passes (busy) and the rest of
+    the schedule (waiting for a neighbour, sending, receiving: the bubble on a real link). Installs
+    itself in the engine's instruction map (an instance copy; DeepSpeed looks the map up on self).
+    The gradient reduction and the optimizer step come after the schedule and are not counted;
+    only train_batch is clocked (`with clock.train_batch():`), not evaluation's passes."""
+
+    BUSY = ("ForwardPass", "BackwardPass")
+    AFTER = ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")
+
+    def __init__(self, engine):
+        self.seconds: dict[str, float] = {}
+        self.steps_s = 0.0
+        self.steps = 0
+        self.armed = False
+        timed = {}
+        for instr, fn in type(engine)._INSTRUCTION_MAP.items():
+            def clocked(engine_, *a, _fn=fn, _name=instr.__name__, **kw):
+                if not self.armed:
+                    return _fn(engine_, *a, **kw)
+                t0 = time.perf_counter()
+                try:
+                    return _fn(engine_, *a, **kw)
+                finally:
+                    self.seconds[_name] = self.seconds.get(_name, 0.0) + time.perf_counter() - t0
+            timed[instr] = clocked
+        engine._INSTRUCTION_MAP = timed
+
+    @contextlib.contextmanager
+    def train_batch(self):
+        t0 = time.perf_counter()
+        self.armed = True
+        try:
+            yield
+        finally:
+            self.armed = False
+            self.steps_s += time.perf_counter() - t0
+            self.steps += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        after = sum(self.seconds.get(k, 0.0) for k in self.AFTER)
+        busy = sum(self.seconds.get(k, 0.0) for k in self.BUSY)
+        schedule = max(self.steps_s - after, 1e-12)
+        return {"steps": self.steps, "schedule_s": schedule, "busy_s": busy,
+                "bubble": max(0.0, 1.0 - busy / schedule),
+                "instructions_s": {k: round(v, 6) for k, v in sorted(self.seconds.items())}}
+
+
+def summary(stages: list[dict[str, Any] | None], pp: int, micro_batches: int) -> dict[str, Any] | None:
+    """summary.json's `pipeline`: the bubble measured per stage (their mean) beside the formula."""
+    stages = [s for s in stages if s]
+    if not stages:
+        return None
+    measured = sum(s["bubble"] for s in stages) / len(stages)
+    return {"stages": pp, "micro_batches": micro_batches, "schedule": "1F1B (DeepSpeed TrainSchedule)",
+            "bubble_formula": bubble_fraction(pp, micro_batches), "bubble_measured": measured,
+            "per_rank": stages}

@@ -36,9 +36,14 @@ ring (all-reduce 2(n-1)/n x payload, all-gather / reduce-scatter (n-1)/n, broadc
 and the seconds spent inside synchronous calls. Compared with the analytic expectation (stated in
 the JSON's "formulas").
 
-Pipeline parallelism (pp=2, tp=2 x pp=2) is not run: raylib refuses pipeline_parallel > 1 for
-training (raylib.train.parallel.check_layout; its message is quoted in the table), so those rows
-say available: false, and the bubble-fraction target has value null and is not met.
+Pipeline parallelism (DeepSpeed's pipeline engine, 1F1B): pp2 x dp2 ZeRO-1 on 4 workers with
+--pp-micro-batches micro-batches per replica per step (micro-batch = global / (dp x m)), its
+loss-parity reference pp1 x dp2 on 2 workers with the same micro-batches (a causal-LM loss is a
+mean per micro-batch, so the split must match), and pp2 x dp1 on 2 workers (one core per stage, no
+oversubscription) for the bubble: raylib's summary measures, per stage, the share of the pipeline
+schedule not spent in forward/backward passes (waiting for the neighbour, send/recv) and it is
+compared with (pp-1)/(m+pp-1). tp2 x pp2 is refused (tp inside pipeline stages is not built; the
+row quotes raylib's reason). Part 2 (bytes by group) covers dp and tp layouts only.
 
 Projection (a model, not a measurement): the measured ring bytes per rank per step of each group
 divided by nominal link bandwidths (tp traffic over NVLink, dp traffic over InfiniBand or NVLink),
@@ -91,13 +96,16 @@ LAYOUTS = {
     "tp2_pp2_dp1_zero1": (4, 2, 2, 1),
 }
 PARITY_REF = ("tp1_dp2_zero1_2workers", (2, 1, 1, 1))
+PP_PARITY_REF = ("pp1_dp2_zero1_2workers", (2, 1, 1, 1))  # the pp micro-batches, no stages
+PP_BUBBLE = ("pp2_dp1_zero1_2workers", (2, 1, 2, 1))  # one core per stage: the bubble measured
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def spec_dict(args, out: str, name: str, workers: int, tp: int, pp: int, zero: int) -> dict:
+def spec_dict(args, out: str, name: str, workers: int, tp: int, pp: int, zero: int,
+              micro: int | None = None) -> dict:
     return {
         "name": name,
         "model": {"family": "llama", "overrides": {
@@ -108,6 +116,7 @@ def spec_dict(args, out: str, name: str, workers: int, tp: int, pp: int, zero: i
         "data": {"path": str(DATA), "manifest": str(MANIFEST)},
         "strategy": {"zero_stage": zero, "tensor_parallel": tp, "pipeline_parallel": pp,
                      "global_batch_size": args.global_batch, "precision": "fp32",
+                     **({"micro_batch_size": micro} if micro else {}),
                      "gradient_clipping": 0.0, "optimizer": {"lr": args.lr},
                      "lr_schedule": {"type": "constant"}},
         "scaling": {"num_workers": workers, "oversubscribe": True, "cpus_per_worker": 1},
@@ -118,14 +127,21 @@ def spec_dict(args, out: str, name: str, workers: int, tp: int, pp: int, zero: i
 
 # -- part 1: the layouts under Ray ------------------------------------------------------------------
 
-def ray_run(args, out: str, name: str, layout: tuple) -> dict:
+def pp_micro(args, layout: tuple) -> int:
+    """The micro-batch that gives each replica --pp-micro-batches of them per step."""
+    workers, tp, pp, _ = layout
+    return max(1, args.global_batch // (workers // (tp * pp)) // args.pp_micro_batches)
+
+
+def ray_run(args, out: str, name: str, layout: tuple, micro: int | None = None) -> dict:
     from raylib import JobSpec
     from raylib.train.trainer import run
 
     workers, tp, pp, zero = layout
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):
-        s = run(JobSpec.from_dict(spec_dict(args, out, name, workers, tp, pp, zero)), progress=False).summary
+        s = run(JobSpec.from_dict(spec_dict(args, out, name, workers, tp, pp, zero, micro)),
+                progress=False).summary
     return {
         "workers": workers, "parallelism": s["parallelism"], "zero_stage": s["zero_stage"],
         "global_batch_size": s["global_batch_size"], "steps": s["steps"],
@@ -136,7 +152,7 @@ def ray_run(args, out: str, name: str, layout: tuple) -> dict:
         "peak_memory_bytes": max(s["peak_memory_bytes"]),
         "param_elements_per_rank": s["param_elements_per_rank"],
         "loss_curve": s["loss_curve"], "final_loss": s["final_loss"],
-        "wall_s": time.perf_counter() - t0,
+        "pipeline": s.get("pipeline"), "wall_s": time.perf_counter() - t0,
     }
 
 
@@ -161,6 +177,7 @@ def refusal(args, layout: tuple) -> str:
 def _comm_worker(rank: int, world: int, port: int, spec: dict, ds_config: dict, steps: int, q) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    sys.stdout = sys.stderr  # DeepSpeed prints (its JIT op builds): stdout carries the JSON only
     import warnings
     warnings.filterwarnings("ignore")
     from raylib.train import commstats
@@ -330,6 +347,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--comm-steps", type=int, default=2)
     ap.add_argument("--no-tp4", action="store_true", help="skip the tp4 x dp1 layout")
+    ap.add_argument("--pp-micro-batches", type=int, default=4,
+                    help="micro-batches per replica per step in the pipeline runs (m of the bubble)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -345,7 +364,8 @@ def main() -> None:
     shape["tp_sharded_elements"] = memory_model_shape(
         JobSpec.from_dict(spec_dict(args, "/tmp/unused", "x", 4, 1, 1, 1)), read_index(str(DATA))).tp_sharded
 
-    run_layouts = [n for n in LAYOUTS if LAYOUTS[n][2] == 1 and not (args.no_tp4 and n.startswith("tp4"))]
+    refused = {n: refusal(args, LAYOUTS[n]) for n in LAYOUTS if LAYOUTS[n][2] > 1}
+    run_layouts = [n for n in LAYOUTS if not refused.get(n) and not (args.no_tp4 and n.startswith("tp4"))]
 
     # part 2 first (no Ray running yet: the harness's 4 processes have the cores to themselves)
     comm, failed = {}, {}
@@ -366,10 +386,13 @@ def main() -> None:
         runtime.connect(num_cpus_needed=4, log_to_driver=False)
     runs = {}
     with tempfile.TemporaryDirectory(prefix="bench-parallelism-") as tmp:
-        for name in [*run_layouts, PARITY_REF[0]]:
-            layout = LAYOUTS.get(name) or PARITY_REF[1]
+        extra = dict([PARITY_REF, PP_PARITY_REF, PP_BUBBLE])
+        for name in [*run_layouts, *extra]:
+            layout = LAYOUTS.get(name) or extra[name]
+            micro = pp_micro(args, LAYOUTS["pp2_dp2_zero1"] if name == PP_PARITY_REF[0] else layout) \
+                if layout[2] > 1 or name == PP_PARITY_REF[0] else None
             try:
-                runs[name] = r = ray_run(args, tmp, name.replace("_", "-"), layout)
+                runs[name] = r = ray_run(args, tmp, name.replace("_", "-"), layout, micro)
             except Exception as e:  # noqa: BLE001
                 failed[f"run {name}"] = f"{type(e).__name__}: {e}"[:2000]
                 log(f"run {name}: FAILED {failed[f'run {name}'][:300]}")
@@ -384,10 +407,8 @@ def main() -> None:
     for name, (workers, tp, pp, zero) in LAYOUTS.items():
         row = {"layout": name, "workers": workers, "tp": tp, "pp": pp, "dp": workers // (tp * pp),
                "zero_stage": zero}
-        if pp > 1:
-            row.update(available=False, why="pipeline_parallel > 1 is refused for training "
-                       "(raylib.train.parallel.check_layout): " + (refusal(args, (workers, tp, pp, zero))
-                                                                   or "(not refused?)"))
+        if refused.get(name):
+            row.update(available=False, why="refused by raylib.train.parallel.check_layout: " + refused[name])
         elif name not in runs:
             row.update(available=True, skipped="--no-tp4" if args.no_tp4 else None,
                        failed=failed.get(f"run {name}"))
@@ -398,8 +419,18 @@ def main() -> None:
                 "peak_memory_bytes", "peak_memory_bytes_per_rank", "param_elements_per_rank", "final_loss")},
                 param_elements_ratio_vs_dp4_zero1=max(r["param_elements_per_rank"]) / dp_elems,
                 step_time_ratio_vs_dp4_zero1=r["step_time_s"] / dp_step,
-                communication_per_step=(comm[name]["per_group_per_step"] if name in comm else None))
+                communication_per_step=(comm[name]["per_group_per_step"] if name in comm else None),
+                pipeline=r["pipeline"])
         table.append(row)
+    for name, role in [(PP_PARITY_REF[0], "loss-parity reference for pp2_dp2_zero1 (same dp, rows and "
+                                          "micro-batches)"),
+                       (PP_BUBBLE[0], "the bubble: pp2 x dp1, one core per stage")]:
+        if name in runs:
+            r, (w, tp, pp, zero) = runs[name], (dict([PP_PARITY_REF, PP_BUBBLE]))[name]
+            table.append({"layout": name, "workers": w, "tp": tp, "pp": pp, "dp": w // (tp * pp),
+                          "zero_stage": zero, "available": True, "role": role, "pipeline": r["pipeline"],
+                          **{k: r[k] for k in ("step_time_s", "samples_per_s", "peak_memory_bytes",
+                                               "param_elements_per_rank", "final_loss")}})
     ref = runs[PARITY_REF[0]]
     table.append({"layout": PARITY_REF[0], "workers": 2, "tp": 1, "pp": 1, "dp": 2, "zero_stage": 1,
                   "available": True, "role": "loss-parity reference for tp2_dp2_zero1 (same dp, same rows)",
@@ -409,6 +440,11 @@ def main() -> None:
     tp2 = runs["tp2_dp2_zero1"]
     param_ratio = max(tp2["param_elements_per_rank"]) / dp_elems
     parity = max_rel_diff(tp2["loss_curve"], ref["loss_curve"])
+    pp_parity = max_rel_diff(runs["pp2_dp2_zero1"]["loss_curve"], runs[PP_PARITY_REF[0]]["loss_curve"]) \
+        if "pp2_dp2_zero1" in runs and PP_PARITY_REF[0] in runs else None
+    bubble = (runs.get(PP_BUBBLE[0]) or {}).get("pipeline") or {}
+    bubble_off = abs(bubble["bubble_measured"] - bubble["bubble_formula"]) / bubble["bubble_formula"] \
+        if bubble else None
     seq = read_index(str(DATA)).seq_len
     expected = {}
     for name in comm:
@@ -442,9 +478,16 @@ def main() -> None:
                         + (f"{max(runs['dp4_zero3']['param_elements_per_rank']) / dp_elems:.3f}"
                            if "dp4_zero3" in runs else "(its run failed)")},
             "pipeline_bubble_fraction_vs_formula": {
-                "value": None, "target": "within 10% of (pp-1)/(m+pp-1)", "met": False,
-                "what": "not measurable: pipeline_parallel > 1 is refused for training "
-                        "(raylib.train.parallel.check_layout); no pipeline schedule runs"},
+                "value": bubble_off, "target": "<= 0.10",
+                "met": bubble_off is not None and bubble_off <= 0.10,
+                "what": "|measured - formula| / formula for pp2 x dp1 on 2 workers: measured "
+                        f"{bubble.get('bubble_measured')} (mean of the stages' share of the schedule "
+                        f"outside forward/backward) vs (pp-1)/(m+pp-1) = {bubble.get('bubble_formula')} "
+                        f"at m = {bubble.get('micro_batches')}"},
+            "pp_loss_parity_max_rel_diff": {
+                "value": pp_parity, "target": "<= 1e-5", "met": pp_parity is not None and pp_parity <= 1e-5,
+                "what": f"max relative difference of the {args.steps}-step loss curves, pp2 x dp2 (4 "
+                        "workers) vs pp1 x dp2 (2 workers), same global batch, rows and micro-batches"},
             "loss_parity_max_rel_diff": {
                 "value": parity, "target": "<= 1e-5", "met": parity is not None and parity <= 1e-5,
                 "what": f"max relative difference of the {args.steps}-step loss curves, tp2 x dp2 (4 "

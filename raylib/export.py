@@ -54,6 +54,7 @@ RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of
 RAY_TRAIN_TAG = "deepspeed"
 POINTER = "raylib-checkpoint.json"
 _ZERO_OPTIM = re.compile(r"(^|/)zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+_LAYER_FILE = re.compile(r"^layer_(\d+)-model_00-model_states\.pt$")  # pipeline: tp 1
 _TP_SHARD = re.compile(r"(^|/)(zero_pp_rank_\d+_)?mp_rank_0*[1-9]\d*_")  # tensor-parallel rank >= 1
 _MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
@@ -127,7 +128,7 @@ def export(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | N
 
     scratch = tempfile.mkdtemp(prefix="raylib-export-")
     try:
-        state = consolidate(chosen, scratch)
+        state = consolidate(chosen, scratch, getattr(model, "config", None))
         what = f"step {chosen.step} of {chosen.where}"
         load_adapter(model, state, what) if spec.peft is not None else load_weights(model, state, what)
     finally:
@@ -456,8 +457,9 @@ def fetch(chosen: Candidate, scratch: str) -> Path:
     return into
 
 
-def consolidate(chosen: Candidate, scratch: str) -> dict[str, Any]:
-    """The checkpoint's full fp32 module state dict, gathered by DeepSpeed's own code."""
+def consolidate(chosen: Candidate, scratch: str, config=None) -> dict[str, Any]:
+    """The checkpoint's full fp32 module state dict, gathered by DeepSpeed's own code (a pipeline
+    checkpoint's layers renamed for the model of `config`, the run's transformers config)."""
     _quiet_deepspeed_import()
     import torch
 
@@ -467,6 +469,8 @@ def consolidate(chosen: Candidate, scratch: str) -> dict[str, Any]:
         raise ExportError(f"checkpoint step {chosen.step} at {chosen.where} has no DeepSpeed tag "
                           f"directory {chosen.tag!r}")
     names = os.listdir(tag_dir)
+    if any(n.startswith("layer_") for n in names):  # pipeline stages: one file per layer
+        return _pipeline_layers(chosen, tag_dir, names, config)
     if any(_TP_SHARD.search(n) for n in names):  # tensor parallel: the shards, merged by DeepSpeed
         return _merged_tensor_parallel(chosen, directory, scratch)
     if any(_ZERO_OPTIM.search(n) for n in names):  # ZeRO-1/2/3: the fp32 partitions, gathered
@@ -486,6 +490,28 @@ def consolidate(chosen: Candidate, scratch: str) -> dict[str, Any]:
                           f"partitions nor {_MODEL_STATES[0]} (it has {sorted(names)[:8]})")
     state = torch.load(path, map_location="cpu", weights_only=False)
     return {k: v.float() if v.is_floating_point() else v for k, v in state["module"].items()}
+
+
+def _pipeline_layers(chosen: Candidate, tag_dir: Path, names: list[str], config) -> dict[str, Any]:
+    """A pipeline checkpoint's weights: every stage's layer files (written by its first replica),
+    renamed to the HF model's parameters (raylib.train.pipeline.hf_state_dict)."""
+    import torch
+
+    from raylib.train.pipeline import hf_state_dict
+
+    layers = {}
+    for name in names:
+        m = _LAYER_FILE.match(name)
+        if m:
+            state = torch.load(tag_dir / name, map_location="cpu", weights_only=False)
+            layers[int(m.group(1))] = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    if config is None:
+        raise ExportError(f"step {chosen.step} of {chosen.where} is a pipeline checkpoint: its layers "
+                          "are renamed for the run's model config, which was not given")
+    try:
+        return hf_state_dict(config, layers)
+    except (KeyError, ValueError) as e:
+        raise ExportError(f"step {chosen.step} of {chosen.where}: {e}") from None
 
 
 def _merged_tensor_parallel(chosen: Candidate, directory: Path, scratch: str) -> dict[str, Any]:

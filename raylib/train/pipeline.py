@@ -271,3 +271,40 @@ def summary(stages: list[dict[str, Any] | None], pp: int, micro_batches: int) ->
     return {"stages": pp, "micro_batches": micro_batches, "schedule": "1F1B (DeepSpeed TrainSchedule)",
             "bubble_formula": bubble_fraction(pp, micro_batches), "bubble_measured": measured,
             "per_rank": stages}
+
+
+# -- back to one HF model ------------------------------------------------------------------------
+
+
+def hf_state_dict(config, layers: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The HF model's state dict from a pipeline checkpoint's layer files ({layer index: the state
+    dict DeepSpeed saved as layer_<index>-...-model_states.pt}), in the layer order `_layers` makes.
+    The tied output projection has no file (it is the embedding's matrix); Llama's rotary buffers
+    are rebuilt by the model."""
+    family, n = config.model_type, config.num_hidden_layers
+    block = {"bert": "bert.encoder.layer", "gpt2": "transformer.h", "llama": "model.layers"}[family]
+    first = {"bert": {"embeddings.": "bert.embeddings."},
+             "gpt2": {"embeddings.wte.": "transformer.wte.", "embeddings.wpe.": "transformer.wpe."},
+             "llama": {"embeddings.": "model.embed_tokens."}}[family]
+    last = {"bert": "cls.predictions.transform.", "gpt2": "transformer.ln_f.", "llama": "model.norm."}[family]
+    out: dict[str, Any] = {}
+
+    def renamed(state: dict[str, Any], prefixes: dict[str, str]) -> None:
+        for key, value in state.items():
+            for old, new in prefixes.items():
+                if key.startswith(old):
+                    out[new + key[len(old):]] = value
+                    break
+
+    missing = [i for i in [0, *range(1, n + 2)] if i not in layers]
+    if missing:
+        raise ValueError(f"the pipeline checkpoint has no layer file for layer(s) {missing}")
+    renamed(layers[0], first)
+    for i in range(n):
+        renamed(layers[1 + i], {"block.": f"{block}.{i}."})
+    renamed(layers[n + 1], {"module.": last})
+    if family == "bert":
+        out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"] = layers[n + 3]["bias"]
+    elif family == "llama" and not config.tie_word_embeddings:
+        out["lm_head.weight"] = layers[n + 2]["weight"]
+    return out

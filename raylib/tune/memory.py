@@ -115,12 +115,12 @@ def tp_sharded_parameters(model) -> int:
 
 def estimate(shape: ModelShape, strategy, world: int, on_gpu: bool) -> MemoryEstimate:
     """Peak memory of one worker running `strategy` (a StrategySpec) at `world` workers. Tensor
-    parallelism divides the projections it shards (and their gradients and states) by tp, ZeRO
-    partitions over the dp = world / (tp x pp) replicas."""
+    parallelism divides the projections it shards (and their gradients and states) by tp, pipeline
+    stages divide the model by pp, ZeRO partitions over the dp = world / (tp x pp) replicas."""
     s = strategy
-    tp = s.tensor_parallel
-    n = max(1, world // (tp * s.pipeline_parallel))  # ZeRO partitions over the data-parallel replicas
-    p = shape.params - shape.tp_sharded + shape.tp_sharded // tp  # what one rank holds
+    tp, pp = s.tensor_parallel, s.pipeline_parallel
+    n = max(1, world // (tp * pp))  # ZeRO partitions over the data-parallel replicas
+    p = (shape.params - shape.tp_sharded + shape.tp_sharded // tp) // pp  # what one rank holds
     t = shape.trainable if shape.trainable is not None else p  # PEFT: gradients and states of these
     low = s.precision in ("fp16", "bf16")
     weight_bytes = 2 if low else 4
@@ -167,7 +167,10 @@ def _activations(shape: ModelShape, s) -> int:
     # 4h MLP (16 of the 34), whose share scales with the MLP's width
     per_layer = sl * b * (10 * h + (8 * h + 4 * shape.intermediate + 5 * a * sl) // t) * half_bytes
     logits = 2 * 4 * sl * b * shape.vocab
-    return int(shape.layers * per_layer + logits)
+    # 1F1B: a stage holds its layers / pp for up to pp micro-batches in flight (the first stage)
+    pp, m = s.pipeline_parallel, s.gradient_accumulation_steps
+    in_flight = min(pp, m) if m else pp
+    return int(shape.layers * per_layer * in_flight / pp + logits)
 
 
 def _buffers(s, grad_bytes: int) -> int:

@@ -25,6 +25,7 @@ SPACE_KEYS = {
     "micro_batch_size": "strategy",
     "num_workers": "scaling",
     "tensor_parallel": "strategy",
+    "pipeline_parallel": "strategy",
     "precision": "strategy",
     "overlap_comm": "strategy",
     "reduce_bucket_size": "strategy",
@@ -41,7 +42,8 @@ SPACE_KEYS = {
 }
 # Keys whose values have an order (neighbours in the coordinate search are adjacent values);
 # precision is categorical and booleans have two values.
-ORDERED_KEYS = {"zero_stage", "micro_batch_size", "num_workers", "tensor_parallel", "reduce_bucket_size",
+ORDERED_KEYS = {"zero_stage", "micro_batch_size", "num_workers", "tensor_parallel", "pipeline_parallel",
+                "reduce_bucket_size",
                 "allgather_bucket_size", "prefetch_batches", "peft.r", "lr", "compression.rank",
                 "compression.fraction"}
 MAX_AUTO_MICRO_BATCHES = 4
@@ -201,6 +203,7 @@ def candidates(base: dict[str, Any], tune: TuneSpec, global_batch: int, hardware
     space = dict(tune.space)
     base_spec = JobSpec.from_dict(base)
     world_default, tp_default = base_spec.world_size, base_spec.strategy.tensor_parallel
+    pp_default = base_spec.strategy.pipeline_parallel
     if "micro_batch_size" not in space:
         worlds = space.get("num_workers", [world_default])
         space["micro_batch_size"] = auto_micro_batches(global_batch, min(worlds))
@@ -208,8 +211,9 @@ def candidates(base: dict[str, Any], tune: TuneSpec, global_batch: int, hardware
     out: list[Candidate] = []
     for values in itertools.product(*(space[k] for k in keys)):
         choice = dict(zip(keys, values, strict=True))
-        # the batch is split over the data-parallel replicas (a tp group shares one)
-        world = choice.get("num_workers", world_default) // choice.get("tensor_parallel", tp_default)
+        # the batch is split over the data-parallel replicas (a tp group, a pipeline share one)
+        world = choice.get("num_workers", world_default) // (
+            choice.get("tensor_parallel", tp_default) * choice.get("pipeline_parallel", pp_default))
         micro = choice["micro_batch_size"]
         if not world or global_batch % (micro * world):
             continue  # no accumulation keeps the global batch: not a member of the space

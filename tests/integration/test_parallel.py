@@ -149,3 +149,30 @@ def test_a_pipeline_stage_holds_its_blocks_only(runs):
     # is untied: no copy of the embedding), so together they hold the model exactly once
     assert first + last == whole
     assert max(first, last) < 0.75 * whole
+
+
+def test_export_renames_the_pipeline_layers_into_one_hf_model(runs, tmp_path):
+    """The exported HF model computes the validation loss the pipeline computed at its last step
+    (the same micro-batches, counted the way the run's evaluator counts them)."""
+    import torch
+    import transformers
+
+    from raylib import export as ex
+    from raylib.data.build import read_index
+    from raylib.tasks import task_for
+    from raylib.train.evaluate import Evaluator
+
+    s = runs["pp2"].summary
+    out = ex.export(runs["pp2"].run_dir, tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.config.num_hidden_layers == 2  # both stages' blocks
+    spec, index = JobSpec.from_yaml(runs["pp2"].run_dir / "spec.yaml"), read_index(runs["data"])
+    task = task_for(spec, index)
+    evaluator = Evaluator(task, index, {}, rank=0, world_size=1, micro_batch=4,
+                          max_batches=spec.run.eval_batches, device="cpu")
+    counts = [0.0, 0.0]
+    with torch.no_grad():
+        for batch in evaluator.batches:
+            o = model(**batch)
+            counts = [a + b for a, b in zip(counts, task.eval_counts(o.logits, o.loss, batch), strict=True)]
+    assert close([task.eval_metrics(counts)["loss"]], [s["evals"][-1]["eval_loss"]]), (counts, s["evals"])

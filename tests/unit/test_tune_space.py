@@ -193,3 +193,26 @@ def test_peft_settings_are_searched_with_the_same_machinery(cpu, tmp_path):
     with pytest.raises(ValueError, match="set early_stopping: false"):
         TuneSpec(objective="eval_loss", early_stopping=True)
 
+
+
+def test_pipeline_stages_are_searched_and_divide_the_memory(cpu):
+    """pipeline_parallel is a key of the space: the batch splits over dp = workers / pp, layouts
+    raylib cannot train are recorded with the reason, and the memory model divides the weights and
+    their states by pp."""
+    from transformers import BertConfig
+
+    from raylib.tune.memory import estimate
+
+    base = {**BASE, "model": {"preset": "bert-tiny", "overrides": {"num_hidden_layers": 2}},
+            "scaling": {"num_workers": 4}}
+    tune = TuneSpec(space={"pipeline_parallel": [1, 2], "zero_stage": [1, 2], "micro_batch_size": [4]})
+    config = BertConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512)
+    cands = {(c.config["pipeline_parallel"], c.config["zero_stage"]): c
+             for c in candidates(base, tune, global_batch=32, hardware=cpu, model_config=config)}
+    assert cands[(2, 1)].status == "candidate" and cands[(2, 1)].config["gradient_accumulation_steps"] == 4
+    assert cands[(1, 1)].config["gradient_accumulation_steps"] == 2  # dp = 4 replicas, not 2
+    assert cands[(2, 2)].status == "invalid" and "ZeRO-0 or ZeRO-1 only" in cands[(2, 2)].reason
+    one, two = (estimate(cpu.shape, JobSpec.from_dict(apply(base, cands[(pp, 1)].config, 32)).strategy, 4,
+                         False) for pp in (1, 2))
+    weights_and_states = 16 * cpu.shape.params  # fp32 weights, gradients, Adam moments (ZeRO-1: /dp)
+    assert one.device_bytes - two.device_bytes >= 0.24 * weights_and_states  # half the weights and grads

@@ -455,9 +455,14 @@ class StrategySpec(_Section):
     keeps the group inside one NVLink island. Data-parallel replicas (dp) = num_workers / (tp x pp)."""
     pipeline_parallel: int = Field(1, ge=1)
     """Pipeline stages (pp): the model's blocks split over pp ranks and run by DeepSpeed's pipeline
-    engine (1F1B schedule; the gradient accumulation steps are its micro-batches, so the bubble is
+    engine (the gradient accumulation steps are its micro-batches, so the bubble is
     (pp - 1) / (m + pp - 1)). BERT masked-LM, GPT-2 and Llama causal-LM, ZeRO-0/1. Placed by the
     gang scheduler with stages on neighbouring nodes."""
+    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """How the micro-batches go through the stages (pp > 1): 1f1b (DeepSpeed's: each stage
+    alternates forward and backward once the pipe is full, holding at most pp micro-batches'
+    activations) or gpipe (every micro-batch forward, then every one backward: m micro-batches'
+    activations held). The same bubble and the same gradients; 1F1B needs less memory."""
     kernels: Literal["eager", "fused", "compile", "auto"] = "eager"
     """The model's ops: eager (as transformers builds it), fused (raylib.ops' fused kernels: bias +
     GeLU, dropout + residual + LayerNorm, RMSNorm, the LM head's linear + cross-entropy on the

@@ -252,7 +252,7 @@ class ObjectStoreCheckpointer:
                 return None
             step, saved_world, (directory, memory, state, source, every_rank) = found
             with self._phase("restore_load"):
-                self._load(engine, directory, step, every_rank, memory)
+                self._load(engine, directory, step, every_rank, memory, saved_pp=int(state.get("pp", 1)))
                 if not every_rank:  # at another layout a rank's own state has no owner here
                     state = {**state, "rank_state": deepspeed_io.read_rank_state(
                         directory, deepspeed_io.tag(step), self.rank, memory)}
@@ -286,22 +286,29 @@ class ObjectStoreCheckpointer:
 
     def _same_layout(self, reader: CheckpointStore, step: int, holders: dict, saved_world: int) -> bool:
         """Whether step was saved with this run's world, tensor- and pipeline-parallel sizes (rank
-        0's part says). Pipeline checkpoints load at their own layout only (their layer files name
-        the stage's modules, not the model's): another layout is refused with the fix."""
+        0's part says)."""
         state = (reader.peek_meta(step, 0, holders) or {}).get("state") or {}
-        saved_pp = int(state.get("pp", 1))
-        if (saved_pp > 1 or self.pp > 1) and (saved_pp, saved_world) != (self.pp, self.world):
-            raise RuntimeError(
-                f"step {step} was saved by {saved_world} workers with pipeline_parallel={saved_pp}, "
-                f"and this run has {self.world} with pipeline_parallel={self.pp}: a pipeline "
-                "checkpoint resumes at its own layout only; resume with that layout (or export the "
-                "model with `raylib export` and start a new run from it)")
-        return saved_world == self.world and int(state.get("tp", 1)) == self.tp
+        saved = (saved_world, int(state.get("tp", 1)), int(state.get("pp", 1)))
+        return saved == (self.world, self.tp, self.pp)
 
     def _load(self, engine, directory: str, step: int, every_rank: bool,
-              memory: dict[str, Any] | None = None) -> None:
+              memory: dict[str, Any] | None = None, saved_pp: int = 1) -> None:
         files = [os.path.relpath(os.path.join(r, n), directory)
                  for r, _, names in os.walk(directory) for n in names]
+        if every_rank and (saved_pp > 1 or self.pp > 1):
+            if not deepspeed_io.needs_universal(files):
+                raise RuntimeError(
+                    f"step {step} was saved at ZeRO-0 with pipeline_parallel={saved_pp}: without "
+                    f"optimizer partitions DeepSpeed's universal conversion cannot change its layout "
+                    f"(now pipeline_parallel={self.pp}, {self.world} workers); resume with the saved "
+                    "layout, or export it (`raylib export`) and start a new run from the model")
+            from raylib.train.pipeline import rename_universal
+
+            log.warning("resuming step %d on another layout (pipeline_parallel %d -> %d, %d ranks now): "
+                        "converting to a DeepSpeed universal checkpoint", step, saved_pp, self.pp, self.world)
+            deepspeed_io.load_universal(engine, directory, step,
+                                        rename=lambda zero: rename_universal(zero, engine.module, saved_pp))
+            return
         if every_rank and _saved_tp(files) != self.tp and not deepspeed_io.needs_universal(files):
             raise RuntimeError(
                 f"step {step} was saved at ZeRO-0 with tensor_parallel={_saved_tp(files)}: its "

@@ -212,9 +212,11 @@ def to_universal(directory: str, step: int, out: str) -> str:
     return args.output_folder
 
 
-def load_universal(engine, directory: str, step: int) -> None:
+def load_universal(engine, directory: str, step: int, rename=None) -> None:
     """Convert tag(step) in `directory` (every old rank's files) to a universal checkpoint and
-    load it at this layout (world size, tensor-parallel size).
+    load it at this layout (world size, tensor- and pipeline-parallel sizes). `rename(zero_dir)`
+    renames the parameters' folders to this engine's names first (pipeline stages name them by
+    layer, the HF model by module).
 
     DeepSpeed reads `checkpoint.load_universal` from the engine's config only inside
     load_checkpoint, so the flag is switched on for this one load instead of at initialize (the
@@ -226,7 +228,9 @@ def load_universal(engine, directory: str, step: int) -> None:
                            "weight. Run it again with that scaling.num_workers")
     out = tempfile.mkdtemp(prefix="raylib-universal-", dir=os.path.dirname(directory))
     try:
-        to_universal(directory, step, out)
+        converted = to_universal(directory, step, out)
+        if rename is not None:
+            rename(os.path.join(converted, "zero"))
         engine._config.load_universal_checkpoint = True
         try:
             path, _ = engine.load_checkpoint(out, tag=tag(step))

@@ -133,13 +133,14 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     clock = None
     if layout.pp > 1:  # the pipeline engine pulls its micro-batches (first stage: inputs, last: labels)
         batches = _pipe_batches(batches, spec.task.type, parts)
+        pipe.use_schedule(engine, spec.strategy.pipeline_schedule)
         clock = pipe.StageClock(engine)  # busy vs waiting per stage: the bubble, measured
     loop_start = time.perf_counter()
     try:
         for step in range(start, spec.run.steps):
             t0 = time.perf_counter()
             total = 0.0
-            if layout.pp > 1:  # accum micro-batches through the stages (1F1B), then the step
+            if layout.pp > 1:  # accum micro-batches through the stages (1F1B or GPipe), then the step
                 with parts.phase("checkpoint"):
                     checkpointer.fence()
                 with parts.phase("compute"), clock.train_batch():
@@ -240,7 +241,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         breakdown=[r[7] for r in ranks], telemetry=[r[8] for r in ranks],
         utilisation=utilisation.to_dict() if utilisation else None,
         stopped_by=_stopped_by(stop_code, [r[8] for r in ranks]), device_share=shared,
-        pipeline=pipe.summary([r[9] for r in ranks], layout.pp, accum) if layout.pp > 1 else None,
+        pipeline=pipe.summary([r[9] for r in ranks], layout.pp, accum, spec.strategy.pipeline_schedule)
+        if layout.pp > 1 else None,
     )
 
 

@@ -16,13 +16,16 @@ hidden states flow back.
 
 Stage order follows the gang scheduler's plan (`placement.planner.Parallelism`): rank =
 (dp_index * pp + stage) * tp + tp_index, i.e. DeepSpeed's ProcessTopology with axes
-(data, pipe, model). DeepSpeed runs its 1F1B schedule (`TrainSchedule`); `micro_batches` is the
-gradient accumulation count, and the bubble is (pp - 1) / (m + pp - 1) of a step.
+(data, pipe, model). The schedule is DeepSpeed's 1F1B (`TrainSchedule`: a stage holds at most pp
+micro-batches' activations) or GPipe (`GPipeSchedule` below: every micro-batch forward, then every
+one backward; all m in flight); `micro_batches` is the gradient accumulation count, and either way
+the bubble is (pp - 1) / (m + pp - 1) of a step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
 
 # family -> the task its pipeline layers implement (the HF head they reproduce)
 PP_FAMILIES = {"bert": "masked_lm", "gpt2": "causal_lm", "llama": "causal_lm"}
+SCHEDULES = {"1f1b": "1F1B (DeepSpeed's TrainSchedule)", "gpipe": "GPipe (raylib's GPipeSchedule)"}
 IGNORE_INDEX = -100
 
 
@@ -80,15 +84,82 @@ def pipeline_module(model, spec: JobSpec, world: int):
     from deepspeed.pipe import PipelineModule
 
     layers = _layers(model)
-    return PipelineModule(layers=layers, topology=topology(world, spec.strategy.pipeline_parallel),
-                          loss_fn=_loss_fn(spec.task.type), partition_method="type:Block",
-                          activation_checkpoint_interval=0)
+    module = PipelineModule(layers=layers, topology=topology(world, spec.strategy.pipeline_parallel),
+                            loss_fn=_loss_fn(spec.task.type), partition_method="type:Block",
+                            activation_checkpoint_interval=0)
+    module.hf_config = model.config  # what its layers are, for renaming checkpoints across layouts
+    return module
 
 
 def micro_batch(batch: dict[str, Any], task: str) -> tuple[tuple[Any, Any], Any]:
     """A task batch (the dict the unsplit model takes) as the pipeline's ((inputs), labels)."""
     aux = batch["attention_mask"] if task == "masked_lm" else batch["position_ids"]
     return (batch["input_ids"], aux), batch["labels"]
+
+
+def use_schedule(engine, schedule: str) -> None:
+    """Run `engine.train_batch` on `schedule` (spec.strategy.pipeline_schedule). DeepSpeed builds its
+    schedule in `_train_schedule()`; GPipe replaces it on this engine only. DeepSpeed's last stage
+    backpropagates the loss of its latest forward (right under 1F1B, where each forward is followed
+    by its backward); GPipe's forwards all come first, so the last stage keeps each micro-batch's
+    loss by buffer and hands it back to that micro-batch's backward."""
+    if schedule == "1f1b":
+        return
+    from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
+
+    gpipe = _gpipe_schedule_class()
+    engine._train_schedule = lambda: gpipe(micro_batches=engine.micro_batches, stages=engine.num_stages,
+                                           stage_id=engine.stage_id)
+    losses: dict[int, Any] = {}
+    table = dict(engine._INSTRUCTION_MAP)  # an instance copy: DeepSpeed looks the map up on self
+    forward, backward = table[ForwardPass], table[BackwardPass]
+
+    def forward_keeping_the_loss(engine_, buffer_id):
+        forward(engine_, buffer_id)
+        if engine_.is_last_stage() and engine_.module.training:
+            losses[buffer_id] = engine_.loss
+
+    def backward_of_its_loss(engine_, buffer_id):
+        if engine_.is_last_stage():
+            engine_.loss = losses.pop(buffer_id)
+        backward(engine_, buffer_id)
+
+    table[ForwardPass], table[BackwardPass] = forward_keeping_the_loss, backward_of_its_loss
+    engine._INSTRUCTION_MAP = table
+
+
+@functools.cache
+def _gpipe_schedule_class():
+    from deepspeed.runtime.pipe import schedule as ds
+
+    class GPipeSchedule(ds.PipeSchedule):
+        """GPipe (Huang et al., 2019) in DeepSpeed's instructions: micro-batches 0..m-1 forward through
+        the stages, then 0..m-1 backward (the order 1F1B accumulates the gradients in, so the two
+        schedules give the same step), then the tied and data-parallel reductions and the step.
+        Each neighbour pair exchanges m activations, then m gradients, in the same order on both
+        sides (send and receive pair up without a deadlock on blocking point-to-point links)."""
+
+        def steps(self):
+            m, first, last = self.micro_batches, self.stage_id == 0, self.stage_id == self.stages - 1
+            for mb in range(m):
+                yield [*([] if first else [ds.RecvActivation(mb)]),
+                       *([ds.LoadMicroBatch(mb)] if first or last else []), ds.ForwardPass(mb),
+                       *([] if last else [ds.SendActivation(mb)])]
+            for mb in range(m):
+                yield [*([] if last else [ds.RecvGrad(mb)]), ds.BackwardPass(mb),
+                       *([] if first else [ds.SendGrad(mb)]),
+                       *([ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()] if mb == m - 1 else [])]
+
+        def num_pipe_buffers(self):
+            return max(2, self.micro_batches)  # every micro-batch's activations until its backward
+
+    return GPipeSchedule
+
+
+def __getattr__(name: str):  # GPipeSchedule without importing DeepSpeed with this module
+    if name == "GPipeSchedule":
+        return _gpipe_schedule_class()
+    raise AttributeError(name)
 
 
 def bubble_fraction(pp: int, micro_batches: int) -> float:
@@ -230,7 +301,7 @@ class StageClock:
         self.steps = 0
         self.armed = False
         timed = {}
-        for instr, fn in type(engine)._INSTRUCTION_MAP.items():
+        for instr, fn in engine._INSTRUCTION_MAP.items():  # the schedule's own entries too
             def clocked(engine_, *a, _fn=fn, _name=instr.__name__, **kw):
                 if not self.armed:
                     return _fn(engine_, *a, **kw)
@@ -262,13 +333,14 @@ class StageClock:
                 "instructions_s": {k: round(v, 6) for k, v in sorted(self.seconds.items())}}
 
 
-def summary(stages: list[dict[str, Any] | None], pp: int, micro_batches: int) -> dict[str, Any] | None:
+def summary(stages: list[dict[str, Any] | None], pp: int, micro_batches: int,
+            schedule: str = "1f1b") -> dict[str, Any] | None:
     """summary.json's `pipeline`: the bubble measured per stage (their mean) beside the formula."""
     stages = [s for s in stages if s]
     if not stages:
         return None
     measured = sum(s["bubble"] for s in stages) / len(stages)
-    return {"stages": pp, "micro_batches": micro_batches, "schedule": "1F1B (DeepSpeed TrainSchedule)",
+    return {"stages": pp, "micro_batches": micro_batches, "schedule": SCHEDULES[schedule],
             "bubble_formula": bubble_fraction(pp, micro_batches), "bubble_measured": measured,
             "per_rank": stages}
 
@@ -281,30 +353,71 @@ def hf_state_dict(config, layers: dict[int, dict[str, Any]]) -> dict[str, Any]:
     dict DeepSpeed saved as layer_<index>-...-model_states.pt}), in the layer order `_layers` makes.
     The tied output projection has no file (it is the embedding's matrix); Llama's rotary buffers
     are rebuilt by the model."""
-    family, n = config.model_type, config.num_hidden_layers
-    block = {"bert": "bert.encoder.layer", "gpt2": "transformer.h", "llama": "model.layers"}[family]
-    first = {"bert": {"embeddings.": "bert.embeddings."},
-             "gpt2": {"embeddings.wte.": "transformer.wte.", "embeddings.wpe.": "transformer.wpe."},
-             "llama": {"embeddings.": "model.embed_tokens."}}[family]
-    last = {"bert": "cls.predictions.transform.", "gpt2": "transformer.ln_f.", "llama": "model.norm."}[family]
-    out: dict[str, Any] = {}
-
-    def renamed(state: dict[str, Any], prefixes: dict[str, str]) -> None:
-        for key, value in state.items():
-            for old, new in prefixes.items():
-                if key.startswith(old):
-                    out[new + key[len(old):]] = value
-                    break
-
+    n = config.num_hidden_layers
     missing = [i for i in [0, *range(1, n + 2)] if i not in layers]
     if missing:
         raise ValueError(f"the pipeline checkpoint has no layer file for layer(s) {missing}")
-    renamed(layers[0], first)
-    for i in range(n):
-        renamed(layers[1 + i], {"block.": f"{block}.{i}."})
-    renamed(layers[n + 1], {"module.": last})
-    if family == "bert":
-        out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"] = layers[n + 3]["bias"]
-    elif family == "llama" and not config.tie_word_embeddings:
-        out["lm_head.weight"] = layers[n + 2]["weight"]
+    out = {name: value for layer, state in sorted(layers.items()) for key, value in state.items()
+           if (name := hf_name(config, layer, key)) is not None}
+    if config.model_type == "bert":  # the decoder's bias is the prediction head's, one tensor
+        out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"]
     return out
+
+
+def hf_name(config, layer: int, key: str) -> str | None:
+    """The HF model's name for pipeline layer `layer`'s parameter `key` (None: no HF counterpart)."""
+    family, n = config.model_type, config.num_hidden_layers
+    if layer == 0:
+        prefixes = {"bert": {"embeddings.": "bert.embeddings."},
+                    "gpt2": {"embeddings.wte.": "transformer.wte.", "embeddings.wpe.": "transformer.wpe."},
+                    "llama": {"embeddings.": "model.embed_tokens."}}[family]
+    elif layer <= n:
+        block = {"bert": "bert.encoder.layer", "gpt2": "transformer.h", "llama": "model.layers"}[family]
+        prefixes = {"block.": f"{block}.{layer - 1}."}
+    elif layer == n + 1:
+        prefixes = {"module.": {"bert": "cls.predictions.transform.", "gpt2": "transformer.ln_f.",
+                                "llama": "model.norm."}[family]}
+    elif family == "bert" and layer == n + 3 and key == "bias":
+        return "cls.predictions.bias"
+    elif family == "llama" and layer == n + 2 and key == "weight" and not config.tie_word_embeddings:
+        return "lm_head.weight"
+    else:
+        return None
+    return next((new + key[len(old):] for old, new in prefixes.items() if key.startswith(old)), None)
+
+
+def hf_parameter_name(config, name: str) -> str | None:
+    """The HF model's name for a PipelineModule parameter (`<layer>.<key>`, or
+    `tied_modules.embed.<key>` for the tied embedding, which is layer 0's module)."""
+    head, _, key = name.partition(".")
+    if head == "tied_modules":
+        return hf_name(config, 0, key.partition(".")[2])
+    return hf_name(config, int(head), key) if head.isdigit() else None
+
+
+def rename_universal(zero_dir: str, module, saved_pp: int) -> None:
+    """A universal checkpoint's parameter folders (`zero_dir/<name>/`, named as the saving modules
+    named them) renamed to what `module`, the engine's, calls them: pipeline layer names from a
+    pipeline checkpoint go through the HF model's names, then to this run's pipeline layer names
+    when it has stages. DeepSpeed restores every weight and optimizer state by these names."""
+    import os
+
+    pipelined = hasattr(module, "hf_config")
+    config = module.hf_config if pipelined else module.config
+    wanted = {(hf_parameter_name(config, n) if pipelined else n): n for n, _ in module.named_parameters()}
+    for entry in sorted(os.listdir(zero_dir)):
+        if not os.path.isdir(os.path.join(zero_dir, entry)):
+            continue  # optimizer_state.pt: the param groups
+        hf = hf_parameter_name(config, entry) if saved_pp > 1 else entry
+        target = wanted.get(hf)
+        if target is None and pipelined and hf is not None:
+            continue  # another stage's parameter (DeepSpeed names any of this stage's it misses)
+        if target is None:
+            raise RuntimeError(f"the checkpoint's parameter {entry!r} ({hf}) has no counterpart in this "
+                               f"run's model; was it saved by another model? (this model has e.g. "
+                               f"{sorted(wanted.values())[:3]})")
+        if target != entry:
+            os.rename(os.path.join(zero_dir, entry), os.path.join(zero_dir, f".{target}"))
+    for entry in os.listdir(zero_dir):  # two passes: a new name may be an old one of another
+        if entry.startswith("."):
+            os.rename(os.path.join(zero_dir, entry), os.path.join(zero_dir, entry[1:]))

@@ -167,9 +167,10 @@ def _activations(shape: ModelShape, s) -> int:
     # 4h MLP (16 of the 34), whose share scales with the MLP's width
     per_layer = sl * b * (10 * h + (8 * h + 4 * shape.intermediate + 5 * a * sl) // t) * half_bytes
     logits = 2 * 4 * sl * b * shape.vocab
-    # 1F1B: a stage holds its layers / pp for up to pp micro-batches in flight (the first stage)
+    # 1F1B: a stage holds its layers / pp for up to pp micro-batches in flight (the first stage);
+    # GPipe: for all m
     pp, m = s.pipeline_parallel, s.gradient_accumulation_steps
-    in_flight = min(pp, m) if m else pp
+    in_flight = pp if not m else m if s.pipeline_schedule == "gpipe" else min(pp, m)
     return int(shape.layers * per_layer * in_flight / pp + logits)
 
 

@@ -26,6 +26,7 @@ SPACE_KEYS = {
     "num_workers": "scaling",
     "tensor_parallel": "strategy",
     "pipeline_parallel": "strategy",
+    "pipeline_schedule": "strategy",
     "precision": "strategy",
     "overlap_comm": "strategy",
     "reduce_bucket_size": "strategy",

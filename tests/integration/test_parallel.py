@@ -2,8 +2,9 @@
 layers. One tp=2 run (DeepSpeed AutoTP) and one pp=2 run (DeepSpeed's pipeline engine) are checked
 by every test here (CI time is scarce), both against one one-rank reference on the same global
 batch (loss parity), both through a SIGKILLed worker (resumed from their in-memory checkpoints);
-the tp run is also exported whole and resumed at another layout (tp=1) through DeepSpeed's
-universal checkpoint. The gang-scheduled layout: test_gang.py."""
+both are exported whole and resumed at another layout through DeepSpeed's universal checkpoint
+(tp=2 -> 1; pp=2 -> 1, then back to pp=2 on the GPipe schedule). The gang-scheduled layout:
+test_gang.py."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from tests.integration.test_checkpoint import kill_a_worker_after_a_checkpoint
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-STEPS, LONGER = 6, 8
+STEPS, LONGER, LONGEST = 6, 8, 10
 RTOL = 1e-5  # fp32: a tp group sums partial products in another order than one rank does
 
 
-def tp_spec(data: str, out, name: str, tp: int, workers: int, steps: int, pp: int = 1) -> JobSpec:
+def tp_spec(data: str, out, name: str, tp: int, workers: int, steps: int, pp: int = 1,
+            schedule: str = "1f1b") -> JobSpec:
     return JobSpec.from_dict({
         "name": name,
         "model": {"family": "llama", "overrides": {"num_hidden_layers": 2}},
@@ -31,6 +33,7 @@ def tp_spec(data: str, out, name: str, tp: int, workers: int, steps: int, pp: in
         # clipping off: its global norm would be one more reduction order to compare
         # (pp: 4 micro-batches of 4 rows through the 2 stages)
         "strategy": {"zero_stage": 1, "tensor_parallel": tp, "pipeline_parallel": pp,
+                     "pipeline_schedule": schedule,
                      "global_batch_size": 16, "micro_batch_size": 4,
                      "gradient_clipping": 0.0, "optimizer": {"lr": 3e-3},
                      "lr_schedule": {"type": "constant"}},
@@ -47,7 +50,7 @@ def close(a: list[float], b: list[float]) -> bool:
 
 @pytest.fixture(scope="module")
 def runs(built_dataset, tmp_path_factory):
-    """The one-rank reference (8 steps), the tp=2 and the pp=2 runs (6 steps each, a worker
+    """The one-rank reference (10 steps), the tp=2 and the pp=2 runs (6 steps each, a worker
     SIGKILLed after its first complete in-memory checkpoint)."""
     from raylib import runtime
     from tests.integration.conftest import connect_driver
@@ -55,7 +58,7 @@ def runs(built_dataset, tmp_path_factory):
     connect_driver("embedded", lambda: runtime.connect(num_cpus_needed=2))
     data = built_dataset("ecommerce-gpt")
     out = tmp_path_factory.mktemp("tp")
-    reference = run(tp_spec(data, out, "tp-reference", tp=1, workers=1, steps=LONGER), progress=False)
+    reference = run(tp_spec(data, out, "tp-reference", tp=1, workers=1, steps=LONGEST), progress=False)
     seen: dict = {}
     killer = threading.Thread(target=kill_a_worker_after_a_checkpoint, args=(None, "tp2-", seen), daemon=True)
     killer.start()
@@ -122,7 +125,7 @@ def test_the_tp_checkpoint_resumes_at_another_layout(runs):
     s = run(spec, progress=False).summary
     assert s["start_step"] == STEPS and s["checkpoint"]["restored_step"] == STEPS
     assert s["parallelism"]["tp"] == 1
-    assert close(s["loss_curve"], ref["loss_curve"][STEPS:]), (s["loss_curve"], ref["loss_curve"])
+    assert close(s["loss_curve"], ref["loss_curve"][STEPS:LONGER]), (s["loss_curve"], ref["loss_curve"])
 
 
 def test_pp2_trains_like_one_rank_and_resumes_its_stages_exactly(runs):
@@ -176,3 +179,22 @@ def test_export_renames_the_pipeline_layers_into_one_hf_model(runs, tmp_path):
             o = model(**batch)
             counts = [a + b for a, b in zip(counts, task.eval_counts(o.logits, o.loss, batch), strict=True)]
     assert close([task.eval_metrics(counts)["loss"]], [s["evals"][-1]["eval_loss"]]), (counts, s["evals"])
+
+
+def test_the_pp_checkpoint_resumes_without_stages_then_with_them_again_on_gpipe(runs):
+    """pp=2 (1F1B) on 2 workers -> pp=1 on 1 worker -> pp=2 on the GPipe schedule: DeepSpeed's
+    universal checkpoint carries every weight and its Adam moments, renamed from the stages' layer
+    names to the HF model's and back (raylib.train.pipeline.rename_universal); both continuations
+    are the reference's curve. After the export test: this moves the run to step 10."""
+    ref = runs["reference"].summary["loss_curve"]
+    out, data = runs["out"], runs["data"]
+    one = run(tp_spec(data, out, "pp2", tp=1, workers=1, steps=LONGER), progress=False).summary
+    assert (one["start_step"], one["checkpoint"]["restored_step"]) == (STEPS, STEPS)
+    assert one["parallelism"]["pp"] == 1 and one.get("pipeline") is None
+    assert close(one["loss_curve"], ref[STEPS:LONGER]), (one["loss_curve"], ref)
+    two = run(tp_spec(data, out, "pp2", tp=1, workers=2, steps=LONGEST, pp=2, schedule="gpipe"),
+              progress=False).summary
+    assert (two["start_step"], two["checkpoint"]["restored_step"]) == (LONGER, LONGER)
+    assert two["parallelism"]["pp"] == 2 and two["pipeline"]["schedule"].startswith("GPipe")
+    assert close(two["loss_curve"], ref[LONGER:LONGEST]), (two["loss_curve"], ref)
+    assert two["param_digests_agree"]

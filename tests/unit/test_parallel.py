@@ -139,3 +139,119 @@ def test_memory_model_divides_the_sharded_projections_by_tp():
     tp2 = estimate(shape, spec("llama", tp=2, workers=4, strategy={"zero_stage": 0}).strategy, 4, False)
     # ZeRO-0: weights, gradients and Adam states (4 + 4 + 8 bytes) of half the projections go
     assert dp_only.device_bytes - tp2.device_bytes >= 16 * shape.tp_sharded // 2
+
+
+def _run_pipe(schedule_cls, pp: int, m: int) -> list[list]:
+    """Every stage's instruction stream run against its neighbours over blocking point-to-point
+    links (a send completes only with the matching receive, as gloo's does); the instructions
+    each stage executed, in order. A stream that waits forever is a deadlock: AssertionError."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    streams = [[c for step in schedule_cls(micro_batches=m, stages=pp, stage_id=s) for c in step]
+               for s in range(pp)]
+    pc, done = [0] * pp, [[] for _ in range(pp)]
+    partner = {ds.SendActivation: (1, ds.RecvActivation), ds.RecvActivation: (-1, ds.SendActivation),
+               ds.SendGrad: (-1, ds.RecvGrad), ds.RecvGrad: (1, ds.SendGrad)}
+    while any(pc[s] < len(streams[s]) for s in range(pp)):
+        moved = False
+        for s in range(pp):
+            if pc[s] == len(streams[s]):
+                continue
+            cmd = streams[s][pc[s]]
+            if type(cmd) not in partner:  # local work
+                done[s].append(cmd)
+                pc[s] += 1
+                moved = True
+                continue
+            step, want = partner[type(cmd)]
+            other = s + step
+            if pc[other] < len(streams[other]) and type(streams[other][pc[other]]) is want:
+                done[s].append(cmd)
+                done[other].append(streams[other][pc[other]])
+                pc[s] += 1
+                pc[other] += 1
+                moved = True
+        assert moved, f"deadlock: stage programs stuck at {pc}"
+    return done
+
+
+@pytest.mark.parametrize("pp,m", [(2, 1), (2, 4), (3, 2), (4, 8)])
+def test_gpipe_runs_every_forward_before_any_backward_without_a_deadlock(pp, m):
+    """strategy.pipeline_schedule: gpipe, checked instruction by instruction against DeepSpeed's
+    1F1B: no deadlock on blocking links, each stage forwards micro-batches 0..m-1 and then runs
+    their backwards in the order 1F1B does (so the gradients sum in the same order: the same step),
+    and holds all m in flight where 1F1B holds at most pp."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    from raylib.train.pipeline import GPipeSchedule
+
+    gpipe, one_f_one_b = _run_pipe(GPipeSchedule, pp, m), _run_pipe(ds.TrainSchedule, pp, m)
+    for stage in range(pp):
+        kinds = [type(c) for c in gpipe[stage] if type(c) in (ds.ForwardPass, ds.BackwardPass)]
+        assert kinds == [ds.ForwardPass] * m + [ds.BackwardPass] * m
+        passes = [c.buffer_id for c in gpipe[stage] if type(c) is ds.BackwardPass]
+        assert passes == list(range(m))  # buffer = micro-batch under GPipe
+        assert sum(type(c) is ds.BackwardPass for c in one_f_one_b[stage]) == m
+        assert [type(c) for c in gpipe[stage][-3:]] == [ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep]
+        first_or_last = stage in (0, pp - 1)
+        assert sum(type(c) is ds.LoadMicroBatch for c in gpipe[stage]) == (m if first_or_last else 0)
+        gp = GPipeSchedule(micro_batches=m, stages=pp, stage_id=stage).num_pipe_buffers()
+        ofob = ds.TrainSchedule(micro_batches=m, stages=pp, stage_id=stage).num_pipe_buffers()
+        assert gp == max(2, m) and ofob == max(2, min(pp - stage, m))
+
+
+def test_a_schedule_that_would_hang_is_caught_by_the_link_model():
+    """The control for the test above: the last stage interleaving forward and backward while its
+    neighbour still sends activations (GPipe done naively) waits forever on a blocking link."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    from raylib.train.pipeline import GPipeSchedule
+
+    class Naive(GPipeSchedule):
+        def steps(self):
+            if self.stage_id != self.stages - 1:
+                yield from super().steps()
+                return
+            for mb in range(self.micro_batches):
+                yield [ds.RecvActivation(mb), ds.ForwardPass(mb), ds.BackwardPass(mb), ds.SendGrad(mb)]
+
+    with pytest.raises(AssertionError, match="deadlock"):
+        _run_pipe(Naive, 2, 3)
+
+
+def test_gpipe_keeps_every_micro_batch_in_the_memory_model():
+    from raylib.tune.memory import _activations
+
+    shape = model_shape(spec("llama", tp=1), LM_INDEX)
+    base = {"pipeline_parallel": 2, "zero_stage": 1, "micro_batch_size": 4, "gradient_accumulation_steps": 8}
+    one_f_one_b = spec(tp=1, workers=2, strategy=base).strategy
+    gpipe = spec(tp=1, workers=2, strategy={**base, "pipeline_schedule": "gpipe"}).strategy
+    logits = 2 * 4 * shape.seq_len * 4 * shape.vocab
+    # 8 micro-batches in flight instead of pp = 2
+    held_1f1b, held_gpipe = _activations(shape, one_f_one_b) - logits, _activations(shape, gpipe) - logits
+    assert held_gpipe == pytest.approx(4 * held_1f1b, abs=2)
+
+
+@pytest.mark.parametrize("family,task", [("bert", "masked_lm"), ("gpt2", "causal_lm"),
+                                         ("llama", "causal_lm")])
+def test_every_pipeline_parameter_has_exactly_one_hf_name(family, task):
+    """What a resume at another pipeline layout renames by (DeepSpeed's universal checkpoint names
+    parameters as the saving module did): the stage layers' parameters, named as DeepSpeed's
+    PipelineModule names them, map one to one onto the HF model's parameters, the same tensors."""
+    from deepspeed.pipe import TiedLayerSpec
+
+    from raylib.train.model import build_model
+    from raylib.train.pipeline import _layers, hf_parameter_name
+
+    s = spec(family, task, tp=1, strategy={"pipeline_parallel": 2, "zero_stage": 1})
+    model = build_model(s, LM_INDEX, seed=0)
+    pipe: dict[str, object] = {}
+    for i, layer in enumerate(_layers(model)):
+        module, prefix = (layer.build(), "tied_modules.embed.") if isinstance(layer, TiedLayerSpec) \
+            else (layer, f"{i}.")
+        for key, p in module.named_parameters():
+            pipe.setdefault(prefix + key, p)
+    hf = dict(model.named_parameters())
+    renamed = {hf_parameter_name(model.config, name): p for name, p in pipe.items()}
+    assert set(renamed) == set(hf)
+    assert all(renamed[name] is hf[name] for name in hf)

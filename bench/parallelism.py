@@ -40,9 +40,11 @@ Pipeline parallelism (DeepSpeed's pipeline engine, 1F1B): pp2 x dp2 ZeRO-1 on 4 
 --pp-micro-batches micro-batches per replica per step (micro-batch = global / (dp x m)), its
 loss-parity reference pp1 x dp2 on 2 workers with the same micro-batches (a causal-LM loss is a
 mean per micro-batch, so the split must match), and pp2 x dp1 on 2 workers (one core per stage, no
-oversubscription) for the bubble: raylib's summary measures, per stage, the share of the pipeline
-schedule not spent in forward/backward passes (waiting for the neighbour, send/recv) and it is
-compared with (pp-1)/(m+pp-1). tp2 x pp2 is refused (tp inside pipeline stages is not built; the
+oversubscription) for the bubble: raylib's summary measures, per stage, the share of the replica's
+pipeline span (from the start its stages share to the end of the last one's schedule) not spent in
+forward/backward passes (waiting for the neighbour, send/recv) and it is compared with
+(pp-1)/(m+pp-1); the same again on the GPipe schedule (its loss curve must equal 1F1B's). tp2 x pp2
+is refused (tp inside pipeline stages is not built; the
 row quotes raylib's reason). Part 2 (bytes by group) covers dp and tp layouts only.
 
 Projection (a model, not a measurement): the measured ring bytes per rank per step of each group
@@ -98,6 +100,7 @@ LAYOUTS = {
 PARITY_REF = ("tp1_dp2_zero1_2workers", (2, 1, 1, 1))
 PP_PARITY_REF = ("pp1_dp2_zero1_2workers", (2, 1, 1, 1))  # the pp micro-batches, no stages
 PP_BUBBLE = ("pp2_dp1_zero1_2workers", (2, 1, 2, 1))  # one core per stage: the bubble measured
+PP_GPIPE = ("pp2_dp1_zero1_gpipe_2workers", (2, 1, 2, 1))  # the same on the GPipe schedule
 
 
 def log(msg: str) -> None:
@@ -105,7 +108,7 @@ def log(msg: str) -> None:
 
 
 def spec_dict(args, out: str, name: str, workers: int, tp: int, pp: int, zero: int,
-              micro: int | None = None) -> dict:
+              micro: int | None = None, schedule: str = "1f1b") -> dict:
     return {
         "name": name,
         "model": {"family": "llama", "overrides": {
@@ -115,7 +118,8 @@ def spec_dict(args, out: str, name: str, workers: int, tp: int, pp: int, zero: i
         "task": {"type": "causal_lm"},
         "data": {"path": str(DATA), "manifest": str(MANIFEST)},
         "strategy": {"zero_stage": zero, "tensor_parallel": tp, "pipeline_parallel": pp,
-                     "global_batch_size": args.global_batch, "precision": "fp32",
+                     "pipeline_schedule": schedule, "global_batch_size": args.global_batch,
+                     "precision": "fp32",
                      **({"micro_batch_size": micro} if micro else {}),
                      "gradient_clipping": 0.0, "optimizer": {"lr": args.lr},
                      "lr_schedule": {"type": "constant"}},
@@ -133,14 +137,15 @@ def pp_micro(args, layout: tuple) -> int:
     return max(1, args.global_batch // (workers // (tp * pp)) // args.pp_micro_batches)
 
 
-def ray_run(args, out: str, name: str, layout: tuple, micro: int | None = None) -> dict:
+def ray_run(args, out: str, name: str, layout: tuple, micro: int | None = None,
+            schedule: str = "1f1b") -> dict:
     from raylib import JobSpec
     from raylib.train.trainer import run
 
     workers, tp, pp, zero = layout
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):
-        s = run(JobSpec.from_dict(spec_dict(args, out, name, workers, tp, pp, zero, micro)),
+        s = run(JobSpec.from_dict(spec_dict(args, out, name, workers, tp, pp, zero, micro, schedule)),
                 progress=False).summary
     return {
         "workers": workers, "parallelism": s["parallelism"], "zero_stage": s["zero_stage"],
@@ -386,13 +391,14 @@ def main() -> None:
         runtime.connect(num_cpus_needed=4, log_to_driver=False)
     runs = {}
     with tempfile.TemporaryDirectory(prefix="bench-parallelism-") as tmp:
-        extra = dict([PARITY_REF, PP_PARITY_REF, PP_BUBBLE])
+        extra = dict([PARITY_REF, PP_PARITY_REF, PP_BUBBLE, PP_GPIPE])
         for name in [*run_layouts, *extra]:
             layout = LAYOUTS.get(name) or extra[name]
             micro = pp_micro(args, LAYOUTS["pp2_dp2_zero1"] if name == PP_PARITY_REF[0] else layout) \
                 if layout[2] > 1 or name == PP_PARITY_REF[0] else None
             try:
-                runs[name] = r = ray_run(args, tmp, name.replace("_", "-"), layout, micro)
+                runs[name] = r = ray_run(args, tmp, name.replace("_", "-"), layout, micro,
+                                         "gpipe" if name == PP_GPIPE[0] else "1f1b")
             except Exception as e:  # noqa: BLE001
                 failed[f"run {name}"] = f"{type(e).__name__}: {e}"[:2000]
                 log(f"run {name}: FAILED {failed[f'run {name}'][:300]}")
@@ -424,9 +430,10 @@ def main() -> None:
         table.append(row)
     for name, role in [(PP_PARITY_REF[0], "loss-parity reference for pp2_dp2_zero1 (same dp, rows and "
                                           "micro-batches)"),
-                       (PP_BUBBLE[0], "the bubble: pp2 x dp1, one core per stage")]:
+                       (PP_BUBBLE[0], "the bubble: pp2 x dp1, one core per stage"),
+                       (PP_GPIPE[0], "the bubble on the GPipe schedule (and its loss vs 1F1B's)")]:
         if name in runs:
-            r, (w, tp, pp, zero) = runs[name], (dict([PP_PARITY_REF, PP_BUBBLE]))[name]
+            r, (w, tp, pp, zero) = runs[name], (dict([PP_PARITY_REF, PP_BUBBLE, PP_GPIPE]))[name]
             table.append({"layout": name, "workers": w, "tp": tp, "pp": pp, "dp": w // (tp * pp),
                           "zero_stage": zero, "available": True, "role": role, "pipeline": r["pipeline"],
                           **{k: r[k] for k in ("step_time_s", "samples_per_s", "peak_memory_bytes",
@@ -445,6 +452,9 @@ def main() -> None:
     bubble = (runs.get(PP_BUBBLE[0]) or {}).get("pipeline") or {}
     bubble_off = abs(bubble["bubble_measured"] - bubble["bubble_formula"]) / bubble["bubble_formula"] \
         if bubble else None
+    gpipe = (runs.get(PP_GPIPE[0]) or {}).get("pipeline") or {}
+    gpipe_parity = max_rel_diff(runs[PP_GPIPE[0]]["loss_curve"], runs[PP_BUBBLE[0]]["loss_curve"]) \
+        if PP_GPIPE[0] in runs and PP_BUBBLE[0] in runs else None
     seq = read_index(str(DATA)).seq_len
     expected = {}
     for name in comm:
@@ -481,9 +491,16 @@ def main() -> None:
                 "value": bubble_off, "target": "<= 0.10",
                 "met": bubble_off is not None and bubble_off <= 0.10,
                 "what": "|measured - formula| / formula for pp2 x dp1 on 2 workers: measured "
-                        f"{bubble.get('bubble_measured')} (mean of the stages' share of the schedule "
-                        f"outside forward/backward) vs (pp-1)/(m+pp-1) = {bubble.get('bubble_formula')} "
-                        f"at m = {bubble.get('micro_batches')}"},
+                        f"{bubble.get('bubble_measured')} on 1F1B (mean over the stages of the share of "
+                        "the replica's pipeline span outside their forward/backward passes: waiting, and "
+                        "the point-to-point transfers the formula leaves out) vs (pp-1)/(m+pp-1) = "
+                        f"{bubble.get('bubble_formula')} at m = {bubble.get('micro_batches')}; GPipe: "
+                        f"{gpipe.get('bubble_measured')}"},
+            "gpipe_loss_parity_vs_1f1b_max_rel_diff": {
+                "value": gpipe_parity, "target": "<= 1e-5",
+                "met": gpipe_parity is not None and gpipe_parity <= 1e-5,
+                "what": f"max relative difference of the {args.steps}-step loss curves, pp2 x dp1 on the "
+                        "GPipe schedule vs on 1F1B (the gradients summed in the same order: 0 expected)"},
             "pp_loss_parity_max_rel_diff": {
                 "value": pp_parity, "target": "<= 1e-5", "met": pp_parity is not None and pp_parity <= 1e-5,
                 "what": f"max relative difference of the {args.steps}-step loss curves, pp2 x dp2 (4 "

@@ -24,6 +24,7 @@ the bubble is (pp - 1) / (m + pp - 1) of a step.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import time
@@ -287,62 +288,88 @@ def _loss_fn(task: str):
 
 class StageClock:
     """Where this stage's pipeline time goes: its forward and backward passes (busy) and the rest of
-    the schedule (waiting for a neighbour, sending, receiving: the bubble on a real link). Installs
+    the step's pipeline span (waiting for a neighbour, sending, receiving: the bubble). Installs
     itself in the engine's instruction map (an instance copy; DeepSpeed looks the map up on self).
-    The gradient reduction and the optimizer step come after the schedule and are not counted;
-    only train_batch is clocked (`with clock.train_batch():`), not evaluation's passes."""
+    Only train_batch is clocked (`with clock.train_batch():`), not evaluation's passes.
+
+    The span of a step is the replica's, not the stage's own: from the start its stages share (a
+    barrier over the pipe group; free on the critical path, a stage ahead would wait for its
+    neighbour anyway) to the moment the last of them finishes its schedule. A stage that is done
+    early (the last stage after its final backward) idles in the span too, as in the formula;
+    `summary` takes the span from every stage's windows (wall-clock times: one clock per node)."""
 
     BUSY = ("ForwardPass", "BackwardPass")
-    AFTER = ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")
+    AFTER = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")  # after the schedule
+    KEEP = 512  # the newest steps' windows (what the summary measures the bubble on)
 
     def __init__(self, engine):
         self.seconds: dict[str, float] = {}
-        self.steps_s = 0.0
         self.steps = 0
         self.armed = False
+        self.group = engine.grid.get_pipe_parallel_group()
+        self.windows: collections.deque = collections.deque(maxlen=self.KEEP)
+        self._busy = 0.0
+        self._end: float | None = None
         timed = {}
         for instr, fn in engine._INSTRUCTION_MAP.items():  # the schedule's own entries too
             def clocked(engine_, *a, _fn=fn, _name=instr.__name__, **kw):
                 if not self.armed:
                     return _fn(engine_, *a, **kw)
+                if _name in self.AFTER and self._end is None:
+                    self._end = time.time()
                 t0 = time.perf_counter()
                 try:
                     return _fn(engine_, *a, **kw)
                 finally:
-                    self.seconds[_name] = self.seconds.get(_name, 0.0) + time.perf_counter() - t0
+                    dt = time.perf_counter() - t0
+                    self.seconds[_name] = self.seconds.get(_name, 0.0) + dt
+                    if _name in self.BUSY:
+                        self._busy += dt
             timed[instr] = clocked
         engine._INSTRUCTION_MAP = timed
 
     @contextlib.contextmanager
     def train_batch(self):
-        t0 = time.perf_counter()
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)
+        start, self._busy, self._end = time.time(), 0.0, None
         self.armed = True
         try:
             yield
         finally:
             self.armed = False
-            self.steps_s += time.perf_counter() - t0
+            self.windows.append((start, self._end or time.time(), self._busy))
             self.steps += 1
 
     def to_dict(self) -> dict[str, Any]:
-        after = sum(self.seconds.get(k, 0.0) for k in self.AFTER)
-        busy = sum(self.seconds.get(k, 0.0) for k in self.BUSY)
-        schedule = max(self.steps_s - after, 1e-12)
-        return {"steps": self.steps, "schedule_s": schedule, "busy_s": busy,
-                "bubble": max(0.0, 1.0 - busy / schedule),
+        return {"steps": self.steps, "windows": list(self.windows),
                 "instructions_s": {k: round(v, 6) for k, v in sorted(self.seconds.items())}}
 
 
 def summary(stages: list[dict[str, Any] | None], pp: int, micro_batches: int,
             schedule: str = "1f1b") -> dict[str, Any] | None:
-    """summary.json's `pipeline`: the bubble measured per stage (their mean) beside the formula."""
-    stages = [s for s in stages if s]
-    if not stages:
+    """summary.json's `pipeline`: the bubble measured per stage (their mean) beside the formula.
+    `stages` are the ranks' clocks in rank order (a replica's pp stages are consecutive); a stage's
+    bubble is 1 - its busy time / the replica's pipeline span, over the steps all its stages kept."""
+    if not stages or not all(stages):
         return None
-    measured = sum(s["bubble"] for s in stages) / len(stages)
+    per_rank = []
+    for first in range(0, len(stages) - pp + 1, pp):
+        replica = stages[first:first + pp]
+        n = min(len(s["windows"]) for s in replica)
+        spans = [max(s["windows"][-n + i][1] for s in replica) - min(s["windows"][-n + i][0] for s in replica)
+                 for i in range(n)] if n else []
+        for s in replica:
+            busy = sum(w[2] for w in s["windows"][-n:]) if n else 0.0
+            span = sum(spans)
+            per_rank.append({"steps": s["steps"], "span_s": span, "busy_s": busy,
+                             "bubble": max(0.0, 1.0 - busy / span) if span > 0 else None,
+                             "instructions_s": s["instructions_s"]})
+    bubbles = [r["bubble"] for r in per_rank if r["bubble"] is not None]
     return {"stages": pp, "micro_batches": micro_batches, "schedule": SCHEDULES[schedule],
-            "bubble_formula": bubble_fraction(pp, micro_batches), "bubble_measured": measured,
-            "per_rank": stages}
+            "bubble_formula": bubble_fraction(pp, micro_batches),
+            "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None, "per_rank": per_rank}
 
 
 # -- back to one HF model ------------------------------------------------------------------------

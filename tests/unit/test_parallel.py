@@ -255,3 +255,22 @@ def test_every_pipeline_parameter_has_exactly_one_hf_name(family, task):
     renamed = {hf_parameter_name(model.config, name): p for name, p in pipe.items()}
     assert set(renamed) == set(hf)
     assert all(renamed[name] is hf[name] for name in hf)
+
+
+def test_the_bubble_is_measured_over_the_replicas_span_not_each_stages_own():
+    """A stage that finishes its schedule early (the last stage after its final backward) idles
+    until the replica's last stage is done, as the formula counts it; two replicas are two spans."""
+    from raylib.train.pipeline import summary
+
+    def clock(*windows):
+        return {"steps": len(windows), "windows": list(windows), "instructions_s": {}}
+
+    # replica 0: both start at 0; stage 1 is done at 9 but the pipeline ends at 10 (stage 0)
+    # replica 1: a second step where stage 0 started 1 s late
+    stages = [clock((0.0, 10.0, 8.0), (20.0, 30.0, 6.0)), clock((0.0, 9.0, 8.0), (19.0, 28.0, 6.0)),
+              clock((0.0, 4.0, 3.0)), clock((0.0, 4.0, 2.0))]
+    out = summary(stages, pp=2, micro_batches=4)
+    assert [r["bubble"] for r in out["per_rank"]] == pytest.approx([1 - 14 / 21, 1 - 14 / 21, 0.25, 0.5])
+    assert out["bubble_measured"] == pytest.approx(((1 - 14 / 21) * 2 + 0.75) / 4)
+    assert out["bubble_formula"] == 0.2
+    assert summary([None, None], pp=2, micro_batches=4) is None

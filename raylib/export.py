@@ -499,6 +499,11 @@ def _pipeline_layers(chosen: Candidate, tag_dir: Path, names: list[str], config)
 
     from raylib.train.pipeline import hf_state_dict
 
+    if any(n.startswith("layer_") and not _LAYER_FILE.match(n) for n in names):
+        raise ExportError(
+            f"step {chosen.step} of {chosen.where} was saved with tensor parallelism inside pipeline "
+            "stages: merging its tp shards layer by layer is not built; resume it at its layout and "
+            "save with tensor_parallel: 1, or train the model at pipeline_parallel: 1 to export it")
     layers = {}
     for name in names:
         m = _LAYER_FILE.match(name)

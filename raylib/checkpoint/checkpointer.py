@@ -252,7 +252,8 @@ class ObjectStoreCheckpointer:
                 return None
             step, saved_world, (directory, memory, state, source, every_rank) = found
             with self._phase("restore_load"):
-                self._load(engine, directory, step, every_rank, memory, saved_pp=int(state.get("pp", 1)))
+                self._load(engine, directory, step, every_rank, memory, saved_pp=int(state.get("pp", 1)),
+                           saved_tp=int(state.get("tp", 1)))
                 if not every_rank:  # at another layout a rank's own state has no owner here
                     state = {**state, "rank_state": deepspeed_io.read_rank_state(
                         directory, deepspeed_io.tag(step), self.rank, memory)}
@@ -292,10 +293,17 @@ class ObjectStoreCheckpointer:
         return saved == (self.world, self.tp, self.pp)
 
     def _load(self, engine, directory: str, step: int, every_rank: bool,
-              memory: dict[str, Any] | None = None, saved_pp: int = 1) -> None:
+              memory: dict[str, Any] | None = None, saved_pp: int = 1, saved_tp: int = 1) -> None:
         files = [os.path.relpath(os.path.join(r, n), directory)
                  for r, _, names in os.walk(directory) for n in names]
         if every_rank and (saved_pp > 1 or self.pp > 1):
+            if saved_tp > 1 or self.tp > 1:
+                raise RuntimeError(
+                    f"step {step} was saved with pipeline_parallel={saved_pp} and tensor parallelism "
+                    f"(now pipeline_parallel={self.pp}, tensor_parallel={self.tp}, {self.world} workers): "
+                    "a layout change of tensor-parallel shards inside pipeline stages is not built "
+                    "(DeepSpeed's universal conversion would need AutoTP's merge rules per stage); "
+                    "resume with the saved layout")
             if not deepspeed_io.needs_universal(files):
                 raise RuntimeError(
                     f"step {step} was saved at ZeRO-0 with pipeline_parallel={saved_pp}: without "

@@ -71,7 +71,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         torch.manual_seed(spec.run.seed + 1)  # the adapter's initial weights, the same on every rank
         model = adapter.wrap(model, spec, model.config.model_type)
     kernels = _patch_kernels(model, spec, on_gpu, layout.tp)  # before DeepSpeed wraps (and shards) it
-    mpu = tensor_parallel_groups(layout.tp, "nccl" if on_gpu else "gloo") if layout.tp > 1 else None
+    mpu = tensor_parallel_groups(layout.tp, "nccl" if on_gpu else "gloo") \
+        if layout.tp > 1 and layout.pp == 1 else None  # pipeline stages: the PipelineModule's grid
     whole = None  # MFU counts the whole model's FLOPs (from its config), not one stage's
     if layout.pp > 1:  # this rank's stage of the model (the rest is freed with the HF model)
         from raylib.train import pipeline as pipe

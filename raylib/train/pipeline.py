@@ -63,11 +63,6 @@ def check(spec: JobSpec, config) -> None:
             f"strategy.zero_stage={s.zero_stage} with pipeline_parallel={pp}: DeepSpeed's pipeline "
             "engine runs with ZeRO-0 or ZeRO-1 only (ZeRO-2/3 partition the gradients and parameters "
             "it sends between stages); set zero_stage: 1")
-    if s.tensor_parallel > 1:
-        raise ValueError(
-            f"strategy.tensor_parallel={s.tensor_parallel} with pipeline_parallel={pp}: tensor "
-            "parallelism inside pipeline stages is not available yet (AutoTP's groups have no "
-            "pipeline axis); use one of the two")
     if spec.peft is not None:
         raise ValueError(f"peft with strategy.pipeline_parallel={pp}: adapters are fine-tuned on "
                          "whole-model replicas; set pipeline_parallel: 1")
@@ -84,12 +79,45 @@ def pipeline_module(model, spec: JobSpec, world: int):
     """The HF `model` as a PipelineModule of spec.strategy.pipeline_parallel stages."""
     from deepspeed.pipe import PipelineModule
 
+    s = spec.strategy
+    topo = topology(world, s.pipeline_parallel, s.tensor_parallel)
+    if s.tensor_parallel > 1:
+        _shard_tensor_parallel(model, topo)
     layers = _layers(model)
-    module = PipelineModule(layers=layers, topology=topology(world, spec.strategy.pipeline_parallel),
+    module = PipelineModule(layers=layers, topology=topo,
                             loss_fn=_loss_fn(spec.task.type), partition_method="type:Block",
                             activation_checkpoint_interval=0)
     module.hf_config = model.config  # what its layers are, for renaming checkpoints across layouts
     return module
+
+
+def _shard_tensor_parallel(model, topo) -> None:
+    """DeepSpeed AutoTP (training mode, the HF model's tp_plan or its heuristic parser) on the whole
+    HF model before it is cut into stages, over the pipeline topology's model-axis groups (tp
+    consecutive ranks of one stage). DeepSpeed's engine applies AutoTP only to the model it wraps,
+    with tp groups of its own that have no pipeline axis, so raylib runs the same partitioning
+    here and points DeepSpeed's group registry (which AutoTP's layers read in training mode) at
+    the grid's groups; every stage then holds 1/tp of its blocks' projections (and of the LM
+    head), and the row-parallel layers all-reduce over their stage's tp group only."""
+    import types
+
+    import deepspeed
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+    from deepspeed.runtime.tensor_parallel.config import get_tensor_parallel_config
+    from deepspeed.utils import groups
+
+    tp = topo.get_dim("model")
+    grid = PipelineParallelGrid(topology=topo)  # collective: every rank builds every group
+    groups._TENSOR_MODEL_PARALLEL_GROUP = groups._MODEL_PARALLEL_GROUP = grid.get_slice_parallel_group()
+    groups._DATA_PARALLEL_GROUP = grid.get_data_parallel_group()
+    deepspeed.set_autotp_mode(training=True)
+    config = get_tensor_parallel_config({"tensor_parallel": {"autotp_size": tp}})
+    config.tensor_parallel.tp_group = grid.get_slice_parallel_group()
+    # what DeepSpeedEngine._apply_autotp_partitioning reads of its engine (the device is set already)
+    engine_view = types.SimpleNamespace(autotp_size=lambda: tp, local_rank=-1,
+                                        is_deepcompile_enabled=lambda: False, compile_autotp=lambda: False)
+    DeepSpeedEngine._apply_autotp_partitioning(engine_view, model, config)
 
 
 def micro_batch(batch: dict[str, Any], task: str) -> tuple[tuple[Any, Any], Any]:

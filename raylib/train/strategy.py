@@ -83,8 +83,9 @@ def resolve_ds_config(spec: JobSpec, on_gpu: bool = False) -> dict[str, Any]:
             min_loss_scale=1,
         )
     generated["bf16"] = {"enabled": s.precision == "bf16"}
-    if s.tensor_parallel > 1:  # DeepSpeed AutoTP shards the model's projections in initialize()
-        generated["tensor_parallel"] = {"autotp_size": s.tensor_parallel}
+    if s.tensor_parallel > 1 and s.pipeline_parallel == 1:  # DeepSpeed AutoTP shards the model's
+        generated["tensor_parallel"] = {"autotp_size": s.tensor_parallel}  # projections in initialize()
+    # (inside pipeline stages raylib.train.pipeline shards them before the model is cut)
 
     for key in ("optimizer", "scheduler"):
         # A user's own optimizer/scheduler type takes none of the generated type's params.

@@ -1,10 +1,10 @@
 """Tensor and pipeline parallelism for real inside the Ray Train workers (gloo), Llama with two
-layers. One tp=2 run (DeepSpeed AutoTP) and one pp=2 run (DeepSpeed's pipeline engine) are checked
-by every test here (CI time is scarce), both against one one-rank reference on the same global
-batch (loss parity), both through a SIGKILLed worker (resumed from their in-memory checkpoints);
-both are exported whole and resumed at another layout through DeepSpeed's universal checkpoint
-(tp=2 -> 1; pp=2 -> 1, then back to pp=2 on the GPipe schedule). The gang-scheduled layout:
-test_gang.py."""
+layers. A tp=2 run (DeepSpeed AutoTP), a pp=2 run (DeepSpeed's pipeline engine, 1F1B) and a
+tp=2 x pp=2 run (AutoTP inside the stages, GPipe) are checked by every test here (CI time is
+scarce), all against one one-rank reference on the same global batch (loss parity); the tp and
+tp x pp runs go through a SIGKILLed worker (resumed from their in-memory checkpoints). The tp and
+pp runs are exported whole and resumed at another layout through DeepSpeed's universal checkpoint
+(tp=2 -> 1, pp=2 -> 1). The gang-scheduled layouts: test_gang.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.integration.test_checkpoint import kill_a_worker_after_a_checkpoint
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-STEPS, LONGER, LONGEST = 6, 8, 10
+STEPS, LONGER = 6, 8
 RTOL = 1e-5  # fp32: a tp group sums partial products in another order than one rank does
 
 
@@ -50,28 +50,31 @@ def close(a: list[float], b: list[float]) -> bool:
 
 @pytest.fixture(scope="module")
 def runs(built_dataset, tmp_path_factory):
-    """The one-rank reference (10 steps), the tp=2 and the pp=2 runs (6 steps each, a worker
-    SIGKILLed after its first complete in-memory checkpoint)."""
+    """The one-rank reference (8 steps); tp=2, pp=2 and tp=2 x pp=2 on the GPipe schedule (6 steps
+    each; in the tp and tp x pp runs a worker is SIGKILLed after its first complete in-memory
+    checkpoint)."""
     from raylib import runtime
     from tests.integration.conftest import connect_driver
 
     connect_driver("embedded", lambda: runtime.connect(num_cpus_needed=2))
     data = built_dataset("ecommerce-gpt")
     out = tmp_path_factory.mktemp("tp")
-    reference = run(tp_spec(data, out, "tp-reference", tp=1, workers=1, steps=LONGEST), progress=False)
+    reference = run(tp_spec(data, out, "tp-reference", tp=1, workers=1, steps=LONGER), progress=False)
     seen: dict = {}
     killer = threading.Thread(target=kill_a_worker_after_a_checkpoint, args=(None, "tp2-", seen), daemon=True)
     killer.start()
     tp2 = run(tp_spec(data, out, "tp2", tp=2, workers=2, steps=STEPS), progress=False)
     killer.join(timeout=5)
-    pp_seen: dict = {}
-    killer = threading.Thread(target=kill_a_worker_after_a_checkpoint, args=(None, "pp2-", pp_seen),
+    pp2 = run(tp_spec(data, out, "pp2", tp=1, workers=2, steps=STEPS, pp=2), progress=False)
+    tpp_seen: dict = {}
+    killer = threading.Thread(target=kill_a_worker_after_a_checkpoint, args=(None, "tp2pp2-", tpp_seen),
                               daemon=True)
     killer.start()
-    pp2 = run(tp_spec(data, out, "pp2", tp=1, workers=2, steps=STEPS, pp=2), progress=False)
+    tp2pp2 = run(tp_spec(data, out, "tp2pp2", tp=2, workers=4, steps=STEPS, pp=2, schedule="gpipe"),
+                 progress=False)
     killer.join(timeout=5)
     return {"data": data, "out": out, "reference": reference, "tp2": tp2, "seen": seen,
-            "pp2": pp2, "pp_seen": pp_seen}
+            "pp2": pp2, "tp2pp2": tp2pp2, "tpp_seen": tpp_seen}
 
 
 def test_tp2_trains_like_one_rank_and_resumes_its_shards_exactly(runs):
@@ -125,24 +128,41 @@ def test_the_tp_checkpoint_resumes_at_another_layout(runs):
     s = run(spec, progress=False).summary
     assert s["start_step"] == STEPS and s["checkpoint"]["restored_step"] == STEPS
     assert s["parallelism"]["tp"] == 1
-    assert close(s["loss_curve"], ref["loss_curve"][STEPS:LONGER]), (s["loss_curve"], ref["loss_curve"])
+    assert close(s["loss_curve"], ref["loss_curve"][STEPS:]), (s["loss_curve"], ref["loss_curve"])
 
 
-def test_pp2_trains_like_one_rank_and_resumes_its_stages_exactly(runs):
+def test_pp2_trains_like_one_rank(runs):
     ref, s = runs["reference"].summary, runs["pp2"].summary
-    assert "killed_after" in runs["pp_seen"], "the run ended before a worker could be killed"
     assert s["parallelism"] == {"dp": 1, "tp": 1, "pp": 2}
-    assert s["start_step"] > 0 and s["checkpoint"]["restore_source"].startswith("memory-"), s["checkpoint"]
-    assert s["checkpoint"]["restored_step"] == s["start_step"]
-    assert close(s["loss_curve"], ref["loss_curve"][s["start_step"]:STEPS]), \
-        (s["loss_curve"], ref["loss_curve"])
+    assert s["pipeline"]["schedule"].startswith("1F1B")
+    assert close(s["loss_curve"], ref["loss_curve"][:STEPS]), (s["loss_curve"], ref["loss_curve"])
     # evaluated through the stages: the same validation loss as the unsplit model at that step
     (last,) = [e for e in ref["evals"] if e["step"] == STEPS] or [None]
     assert last is not None and close([s["evals"][-1]["eval_loss"]], [last["eval_loss"]]), \
         (s["evals"], ref["evals"])
-    # both stages hash the replica's stages in order: one model, and the one that was restored
-    assert s["param_digests_agree"] and s["restored_param_digest"]
+    assert s["param_digests_agree"]  # both stages hash the replica's stages in order
     assert s["utilisation"]["mfu"] > 0  # the whole model's FLOPs, not one stage's
+
+
+def test_tp2_inside_pp2_stages_trains_like_one_rank_and_resumes_exactly(runs):
+    """tp=2 x pp=2 (4 workers, dp=1) on the GPipe schedule: AutoTP shards each stage's blocks over
+    its tp group, the stages pass activations, a SIGKILLed worker's stage shards come back from
+    the in-memory checkpoint, and the curve is one rank's."""
+    ref, s = runs["reference"].summary, runs["tp2pp2"].summary
+    assert "killed_after" in runs["tpp_seen"], "the run ended before a worker could be killed"
+    assert s["parallelism"] == {"dp": 1, "tp": 2, "pp": 2}
+    assert s["pipeline"]["schedule"].startswith("GPipe")
+    assert s["start_step"] > 0 and s["checkpoint"]["restore_source"].startswith("memory-"), s["checkpoint"]
+    assert s["checkpoint"]["restored_step"] == s["start_step"]
+    assert close(s["loss_curve"], ref["loss_curve"][s["start_step"]:STEPS]), \
+        (s["loss_curve"], ref["loss_curve"])
+    assert s["param_digests_agree"] and s["restored_param_digest"]
+    # each tp rank of a stage holds a different shard: less than the stage holds at pp=2 alone
+    pp_only = runs["pp2"].summary["param_elements_per_rank"]
+    held = s["param_elements_per_rank"]
+    assert held[0] == held[1] < pp_only[0] and held[2] == held[3] < pp_only[1], (held, pp_only)
+    a, b = s["shard_digests"][:2]
+    assert a != b
 
 
 def test_a_pipeline_stage_holds_its_blocks_only(runs):
@@ -181,20 +201,14 @@ def test_export_renames_the_pipeline_layers_into_one_hf_model(runs, tmp_path):
     assert close([task.eval_metrics(counts)["loss"]], [s["evals"][-1]["eval_loss"]]), (counts, s["evals"])
 
 
-def test_the_pp_checkpoint_resumes_without_stages_then_with_them_again_on_gpipe(runs):
-    """pp=2 (1F1B) on 2 workers -> pp=1 on 1 worker -> pp=2 on the GPipe schedule: DeepSpeed's
-    universal checkpoint carries every weight and its Adam moments, renamed from the stages' layer
-    names to the HF model's and back (raylib.train.pipeline.rename_universal); both continuations
-    are the reference's curve. After the export test: this moves the run to step 10."""
+def test_the_pp_checkpoint_resumes_without_stages(runs):
+    """pp=2 on 2 workers -> pp=1 on 1 worker: DeepSpeed's universal checkpoint carries every weight
+    and its Adam moments, renamed from the stages' layer names to the HF model's
+    (raylib.train.pipeline.rename_universal); the continuation is the reference's curve. After
+    the export test: this moves the run to step 8."""
     ref = runs["reference"].summary["loss_curve"]
-    out, data = runs["out"], runs["data"]
-    one = run(tp_spec(data, out, "pp2", tp=1, workers=1, steps=LONGER), progress=False).summary
+    spec = tp_spec(runs["data"], runs["out"], "pp2", tp=1, workers=1, steps=LONGER)
+    one = run(spec, progress=False).summary
     assert (one["start_step"], one["checkpoint"]["restored_step"]) == (STEPS, STEPS)
     assert one["parallelism"]["pp"] == 1 and one.get("pipeline") is None
     assert close(one["loss_curve"], ref[STEPS:LONGER]), (one["loss_curve"], ref)
-    two = run(tp_spec(data, out, "pp2", tp=1, workers=2, steps=LONGEST, pp=2, schedule="gpipe"),
-              progress=False).summary
-    assert (two["start_step"], two["checkpoint"]["restored_step"]) == (LONGER, LONGER)
-    assert two["parallelism"]["pp"] == 2 and two["pipeline"]["schedule"].startswith("GPipe")
-    assert close(two["loss_curve"], ref[LONGER:LONGEST]), (two["loss_curve"], ref)
-    assert two["param_digests_agree"]

@@ -78,8 +78,6 @@ def test_ranks_are_ordered_like_the_gang_schedulers_plan():
     ("gpt2", "causal_lm", 2, {}, {}, r"cannot shard a 'gpt2' model"),
     ("bert", "masked_lm", 4, {}, {}, r"does not divide the model's num_attention_heads=2"),
     ("llama", "causal_lm", 4, {}, {}, r"does not divide the model's num_key_value_heads=2"),
-    ("llama", "causal_lm", 2, {"pipeline_parallel": 2, "zero_stage": 1}, {},
-     r"tensor parallelism inside pipeline stages"),
     ("llama", "causal_lm", 1, {"pipeline_parallel": 2, "zero_stage": 2}, {}, r"ZeRO-0 or ZeRO-1 only"),
     ("llama", "causal_lm", 1, {"pipeline_parallel": 4}, {}, r"more stages than the model's 2 transformer"),
     ("bert", "causal_lm", 1, {"pipeline_parallel": 2, "zero_stage": 1}, {},
@@ -106,6 +104,9 @@ def test_supported_layouts_pass():
         check_layout(s, model_config(s, index))
     for family, task in [("bert", "masked_lm"), ("gpt2", "causal_lm"), ("llama", "causal_lm")]:
         s = spec(family, task, tp=1, strategy={"pipeline_parallel": 2, "zero_stage": 1})
+        check_layout(s, model_config(s, LM_INDEX))
+    for family, task in [("bert", "masked_lm"), ("llama", "causal_lm")]:  # tp inside the stages
+        s = spec(family, task, tp=2, strategy={"pipeline_parallel": 2, "zero_stage": 1})
         check_layout(s, model_config(s, LM_INDEX))
 
 

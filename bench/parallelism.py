@@ -44,7 +44,8 @@ oversubscription) for the bubble: raylib's summary measures, per stage, the shar
 pipeline span (from the start its stages share to the end of the last one's schedule) not spent in
 forward/backward passes (waiting for the neighbour, send/recv) and it is compared with
 (pp-1)/(m+pp-1); the same again on the GPipe schedule (its loss curve must equal 1F1B's). tp2 x pp2
-x dp1 runs AutoTP inside the two stages (step time, memory per rank). Part 2 (bytes by group) covers dp and tp layouts only.
+x dp1 runs AutoTP inside the two stages (step time, memory per rank). Part 2 (bytes by group)
+covers dp and tp layouts only.
 
 Projection (a model, not a measurement): the measured ring bytes per rank per step of each group
 divided by nominal link bandwidths (tp traffic over NVLink, dp traffic over InfiniBand or NVLink),

@@ -242,7 +242,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         breakdown=[r[7] for r in ranks], telemetry=[r[8] for r in ranks],
         utilisation=utilisation.to_dict() if utilisation else None,
         stopped_by=_stopped_by(stop_code, [r[8] for r in ranks]), device_share=shared,
-        pipeline=pipe.summary([r[9] for r in ranks], layout.pp, accum, spec.strategy.pipeline_schedule)
+        pipeline=pipe.summary([r[9] for r in ranks], layout.pp, accum, spec.strategy.pipeline_schedule,
+                              layout.tp)
         if layout.pp > 1 else None,
     )
 

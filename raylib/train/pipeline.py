@@ -376,15 +376,15 @@ class StageClock:
 
 
 def summary(stages: list[dict[str, Any] | None], pp: int, micro_batches: int,
-            schedule: str = "1f1b") -> dict[str, Any] | None:
-    """summary.json's `pipeline`: the bubble measured per stage (their mean) beside the formula.
-    `stages` are the ranks' clocks in rank order (a replica's pp stages are consecutive); a stage's
-    bubble is 1 - its busy time / the replica's pipeline span, over the steps all its stages kept."""
+            schedule: str = "1f1b", tp: int = 1) -> dict[str, Any] | None:
+    """summary.json's `pipeline`: the bubble measured per rank (their mean) beside the formula.
+    `stages` are the ranks' clocks in rank order (a replica is pp x tp consecutive ranks); a rank's
+    bubble is 1 - its busy time / its replica's pipeline span, over the steps all of them kept."""
     if not stages or not all(stages):
         return None
     per_rank = []
-    for first in range(0, len(stages) - pp + 1, pp):
-        replica = stages[first:first + pp]
+    for first in range(0, len(stages) - pp * tp + 1, pp * tp):
+        replica = stages[first:first + pp * tp]
         n = min(len(s["windows"]) for s in replica)
         spans = [max(s["windows"][-n + i][1] for s in replica) - min(s["windows"][-n + i][0] for s in replica)
                  for i in range(n)] if n else []

@@ -275,3 +275,7 @@ def test_the_bubble_is_measured_over_the_replicas_span_not_each_stages_own():
     assert out["bubble_measured"] == pytest.approx(((1 - 14 / 21) * 2 + 0.75) / 4)
     assert out["bubble_formula"] == 0.2
     assert summary([None, None], pp=2, micro_batches=4) is None
+    # tp=2 inside the stages: one replica of four ranks, one span
+    tpp = summary([clock((0.0, 10.0, 8.0)), clock((0.0, 10.0, 8.0)), clock((0.0, 9.0, 7.0)),
+                   clock((0.0, 9.0, 7.0))], pp=2, micro_batches=4, tp=2)
+    assert [r["bubble"] for r in tpp["per_rank"]] == pytest.approx([0.2, 0.2, 0.3, 0.3])

@@ -104,6 +104,48 @@ def test_bundles_land_where_the_plan_says(gang, labelled_cluster):
     assert ray.get(gang.placement_groups.remote()) == {}
 
 
+def test_pipeline_stages_are_placed_in_the_rank_order_training_uses(gang, labelled_cluster):
+    """dp=2 x pp=2 x tp=4 over the four 4-GPU nodes (two leaves): each (replica, stage) tp group on
+    one node, and the stage and replica that DeepSpeed's pipeline topology gives rank i
+    (raylib.train.parallel.Layout) are the plan's for the node it put rank i on. Of the stage pairs
+    (activations every micro-batch) and the replica pairs (the gradient all-reduce), the heavier
+    traffic stays under one leaf switch: for the planner's default model (7B, bf16) the gradients.
+    (It needs all four nodes: it runs before the tests that drain or kill one.)"""
+    import ray
+
+    from raylib import JobSpec
+    from raylib.placement.gang import reserve
+    from raylib.placement.planner import Parallelism, Traffic
+    from raylib.train.parallel import Layout
+    from raylib.train.pipeline import topology
+
+    par = Parallelism(dp=2, pp=2, tp=4)
+    res = reserve("stages", par, actor=gang, timeout_s=300)
+    try:
+        spec = JobSpec.from_dict({"model": {"family": "llama"}, "task": {"type": "causal_lm"},
+                                  "strategy": {"tensor_parallel": 4, "pipeline_parallel": 2},
+                                  "scaling": {"num_workers": 16}})
+        leaf = {n["NodeID"]: n["Labels"].get("leaf") for n in ray.nodes()}
+        where = res.plan.rank_node
+        topo = topology(16, pp=2, tp=4)
+        for rank in range(16):
+            d, p, t = par.coords(rank)
+            layout, coord = Layout.of(spec, rank), topo.get_coord(rank)
+            assert (layout.dp_rank, layout.stage, layout.tp_rank) == (d, p, t)
+            assert (coord.data, coord.pipe, coord.model) == (d, p, t)
+            assert {where[r] for r in layout.tp_group} == {where[rank]}, "a tp group spans nodes"
+        edges = Traffic().edges(par)
+        heavy = "pp" if edges["pp"][0] > edges["dp"][0] else "dp"
+        pairs = {"pp": [(par.rank(d, 0, 0), par.rank(d, 1, 0)) for d in range(2)],
+                 "dp": [(par.rank(0, p, 0), par.rank(1, p, 0)) for p in range(2)]}
+        for kind, kind_pairs in pairs.items():
+            same_leaf = [leaf[where[a]] == leaf[where[b]] for a, b in kind_pairs]
+            assert same_leaf == [kind == heavy] * 2, (kind, heavy, edges)
+    finally:
+        res.release()
+    assert ray.get(gang.placement_groups.remote()) == {}
+
+
 def test_priority_preemption_and_requeue(gang):
     import ray
 
@@ -443,44 +485,3 @@ def test_shared_accelerators_pack_on_one_device_and_a_run_takes_its_share(
     assert s["steps"] == 4 and s["rank_nodes"] == s["planned_nodes"]
     assert s["device_share"] == {"share": 0.5, "memory_fraction": None,
                                  "why": "CPU training: a logical GPU share"}
-
-
-def test_pipeline_stages_are_placed_in_the_rank_order_training_uses(gang, labelled_cluster):
-    """dp=2 x pp=2 x tp=4 over the four 4-GPU nodes (two leaves): each (replica, stage) tp group on
-    one node, and the stage and replica that DeepSpeed's pipeline topology gives rank i
-    (raylib.train.parallel.Layout) are the plan's for the node it put rank i on. Of the stage pairs
-    (activations every micro-batch) and the replica pairs (the gradient all-reduce), the heavier
-    traffic stays under one leaf switch: for the planner's default model (7B, bf16) the gradients."""
-    import ray
-
-    from raylib import JobSpec
-    from raylib.placement.gang import reserve
-    from raylib.placement.planner import Parallelism, Traffic
-    from raylib.train.parallel import Layout
-    from raylib.train.pipeline import topology
-
-    par = Parallelism(dp=2, pp=2, tp=4)
-    res = reserve("stages", par, actor=gang, timeout_s=300)
-    try:
-        spec = JobSpec.from_dict({"model": {"family": "llama"}, "task": {"type": "causal_lm"},
-                                  "strategy": {"tensor_parallel": 4, "pipeline_parallel": 2},
-                                  "scaling": {"num_workers": 16}})
-        leaf = {n["NodeID"]: n["Labels"].get("leaf") for n in ray.nodes()}
-        where = res.plan.rank_node
-        topo = topology(16, pp=2, tp=4)
-        for rank in range(16):
-            d, p, t = par.coords(rank)
-            layout, coord = Layout.of(spec, rank), topo.get_coord(rank)
-            assert (layout.dp_rank, layout.stage, layout.tp_rank) == (d, p, t)
-            assert (coord.data, coord.pipe, coord.model) == (d, p, t)
-            assert {where[r] for r in layout.tp_group} == {where[rank]}, "a tp group spans nodes"
-        edges = Traffic().edges(par)
-        heavy = "pp" if edges["pp"][0] > edges["dp"][0] else "dp"
-        pairs = {"pp": [(par.rank(d, 0, 0), par.rank(d, 1, 0)) for d in range(2)],
-                 "dp": [(par.rank(0, p, 0), par.rank(1, p, 0)) for p in range(2)]}
-        for kind, kind_pairs in pairs.items():
-            same_leaf = [leaf[where[a]] == leaf[where[b]] for a, b in kind_pairs]
-            assert same_leaf == [kind == heavy] * 2, (kind, heavy, edges)
-    finally:
-        res.release()
-    assert ray.get(gang.placement_groups.remote()) == {}

@@ -7,6 +7,7 @@ tests run BERT (1 layer) with 2 Ray Train workers x DeepSpeed and kill a worker 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -274,8 +275,18 @@ def complete_in_memory(prefix: str) -> list[int]:
 
 
 def kill_a_worker_after_a_checkpoint(api: str, prefix: str, seen: dict, timeout_s: float = 600) -> None:
-    """SIGKILL one Ray Train worker process as soon as a checkpoint is complete in memory."""
+    """SIGKILL one Ray Train worker process as soon as a checkpoint is complete in memory.
+
+    The workers are SIGSTOPped while the keepers are asked and resumed after the answer: a tiny
+    run's steps are shorter than one question to the keepers, so an unpaused run could reach its
+    last checkpoint before the kill (and then has nothing left to resume). Paused, the kill lands
+    within one polling interval of training after the first complete checkpoint."""
     from ray.util.state import list_actors
+
+    def signal_all(pids: list[int], sig: int) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
     deadline = time.monotonic() + timeout_s
     pids: list[int] = []
@@ -284,12 +295,17 @@ def kill_a_worker_after_a_checkpoint(api: str, prefix: str, seen: dict, timeout_
             workers = list_actors(address=api, filters=[("class_name", "=", "RayTrainWorker"),
                                                          ("state", "=", "ALIVE")])
             pids = [w["pid"] for w in workers if w.get("pid")]
-        elif complete_in_memory(prefix):
-            os.kill(pids[-1], signal.SIGKILL)
-            # asked again after the kill: training may have gone on while the first answer came
-            seen["killed_after"] = complete_in_memory(prefix)[-1]
-            return
-        time.sleep(0.05)  # polling interval, not a synchronisation
+        else:
+            signal_all(pids, signal.SIGSTOP)
+            try:
+                complete = complete_in_memory(prefix)
+                if complete:
+                    os.kill(pids[-1], signal.SIGKILL)
+                    seen["killed_after"] = complete[-1]
+                    return
+            finally:
+                signal_all(pids[:-1] if "killed_after" in seen else pids, signal.SIGCONT)
+        time.sleep(0.05)  # lets training run between questions; not a synchronisation
 
 
 def _restore_with_pointer(spec, of_this_fit: bool, vouched: int | None = 2):

@@ -17,6 +17,7 @@ import logging
 import os
 import queue as std_queue
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +35,14 @@ class RunForwarder(ReportCallback, ControllerCallback):
     Never raises (a failing callback would fail the run) and never blocks the controller's loop:
     each event is one fire-and-forget call to the queue actor."""
 
-    def __init__(self, reports: Queue):
-        self.reports = reports
+    def __init__(self, reports: Queue, token: str = ""):
+        self.reports, self.token = reports, token  # the token tells this run's events from a late one's
         self.max_failures = 0
         self.failures = 0
 
     def _send(self, event: dict[str, Any]) -> None:
         try:
-            self.reports.actor.put_nowait.remote(event)
+            self.reports.actor.put_nowait.remote({**event, "run_token": self.token})
         except Exception:  # the driver is gone: nobody to tell
             pass
 
@@ -137,8 +138,9 @@ class ProgressBar:
         from tqdm.auto import tqdm
         from tqdm.contrib.logging import logging_redirect_tqdm
 
-        self._reports = Queue(actor_options={"num_cpus": 0})
-        self.callback = RunForwarder(self._reports)
+        self._reports = _queues.take()
+        self._token = uuid.uuid4().hex
+        self.callback = RunForwarder(self._reports, self._token)
         self._bar = tqdm(total=self.total, desc=self.desc, unit="step", disable=not self.enabled)
         # log lines (raylib's "training ...", the warnings below) print above the bar, not into it
         self._redirect = logging_redirect_tqdm(tqdm_class=tqdm) if self.enabled else contextlib.nullcontext()
@@ -158,7 +160,8 @@ class ProgressBar:
                 continue
             except Exception:  # the queue actor is gone: the run is over
                 return
-            self.show(m)
+            if m.pop("run_token", self._token) == self._token:  # not a late event of an earlier run
+                self.show(m)
 
     def show(self, m: dict[str, Any]) -> None:
         """Apply one forwarded event: a report moves the bar, anything else is a warning."""
@@ -175,10 +178,58 @@ class ProgressBar:
         self._thread.join(timeout=5)
         self._bar.close()
         self._redirect.__exit__(None, None, None)
+        _queues.give_back(self._reports, drained=not self._thread.is_alive())
+
+
+class _QueuePool:
+    """The driver's report queues, kept for its next runs: a queue is an actor, a process of its
+    own. One per run in flight; all of them belong to the connected Ray session."""
+
+    def __init__(self):
+        self._free: list[Queue] = []
+        self._session: str | None = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _current() -> str:
         import ray
 
+        ctx = ray.get_runtime_context()
+        return f"{ctx.get_node_id()}/{ctx.get_job_id()}"  # a new cluster can reuse job ids
+
+    def take(self) -> Queue:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        with self._lock:
+            if self._session != self._current():  # reconnected: the old queues died with the driver
+                self._free, self._session = [], self._current()
+        while True:
+            with self._lock:
+                if not self._free:
+                    break
+                q = self._free.pop()
+            try:  # its node may have died since (chaos tests kill nodes)
+                ray.get(q.actor.qsize.remote(), timeout=10)
+                return q
+            except Exception:
+                continue
+        # on the driver's node: it lives as long as the driver
+        return Queue(actor_options={"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=True)})
+
+    def give_back(self, q: Queue, drained: bool) -> None:
+        import ray
+
+        with self._lock:
+            if drained and self._session == self._current():
+                self._free.append(q)
+                return
         with contextlib.suppress(Exception):
-            ray.kill(self._reports.actor)
+            ray.kill(q.actor)
+
+
+_queues = _QueuePool()
 
 
 def postfix(m: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -40,7 +41,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     callbacks: extra Ray Train callbacks for the run's controller (raylib.tune's trial probe)."""
     import ray
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from raylib import preflight, runtime
     from raylib.data.build import DatasetManifest, build, is_built, read_index
@@ -125,7 +126,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
                          part_spec.world_size, spec.elastic_sizes(), ds_config["gradient_accumulation_steps"])
             gpus = worker_gpus(spec, on_gpu)
             try:
-                trainer = TorchTrainer(
+                trainer = _trainer_class()(
                     worker_loop,
                     train_loop_config={**loop_config(part_spec, ds_config),
                                        "gang": _gang_handle(reservation, resource)},
@@ -185,6 +186,23 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     checkpoint_uri = result.checkpoint.path if result.checkpoint else None
     return summarize(spec, history, index, ds_config, checkpoint_uri,
                      wall_s=time.perf_counter() - wall0, run_dir=run_dir)
+
+
+@functools.cache
+def _trainer_class():
+    """TorchTrainer without Ray Data's DatasetManager when the run passes no datasets (the rank
+    reader, the default): Ray Train starts that actor, a process of its own, for every run even
+    when there is nothing for it to split."""
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    class Trainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            return callbacks if self.datasets else [c for c in callbacks
+                                                    if not isinstance(c, DatasetsCallback)]
+
+    return Trainer
 
 
 # Object-store credentials and endpoint reach the workers from the driver's environment only

@@ -212,8 +212,8 @@ _STORAGE_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN
                 "RAYLIB_FAKE_NVML")  # tests: the scripted NVML stand-in (raylib.testing.fake_nvml)
 
 
-def _worker_env() -> dict[str, Any] | None:
-    env = {k: os.environ[k] for k in _STORAGE_ENV if os.environ.get(k)}
+def _worker_env(names: tuple[str, ...] = _STORAGE_ENV) -> dict[str, Any] | None:
+    env = {k: os.environ[k] for k in names if os.environ.get(k)}
     return {"env_vars": env} if env else None
 
 
@@ -223,7 +223,9 @@ def _check_node_health(spec: JobSpec, on_gpu: bool) -> None:
     error before anything is reserved."""
     from raylib.telemetry.health import check_nodes
 
-    bad = check_nodes(spec, "GPU" if on_gpu else "CPU", runtime_env=_worker_env())
+    # no credentials: a task with a runtime_env of its own cannot reuse Ray's idle workers (a new
+    # process for every run's check)
+    bad = check_nodes(spec, "GPU" if on_gpu else "CPU", runtime_env=_worker_env(("RAYLIB_FAKE_NVML",)))
     if not bad:
         return
     lines = [f"node {n[:12]}: " + "; ".join(

@@ -221,6 +221,8 @@ class _QueuePool:
     def give_back(self, q: Queue, drained: bool) -> None:
         import ray
 
+        if not ray.is_initialized():  # disconnected meanwhile: the queue died with the driver
+            return
         with self._lock:
             if drained and self._session == self._current():
                 self._free.append(q)

@@ -149,3 +149,21 @@ def test_workers_that_cannot_start_end_in_one_error_naming_what_holds_the_cpus(
     assert "2 workers x 1 CPU could not be placed" in message
     assert f"placement group squatter holds {total - 1:g} CPU for job" in message and "running" in message
     assert f"1 of {total:g} CPU available" in message
+
+
+@pytest.mark.ray
+def test_the_next_run_reuses_the_report_queue_and_ignores_a_late_event_of_the_last(ray_local):
+    """A report queue is an actor (a process); the driver keeps it for its next run. An event the
+    earlier run's controller sent late is not shown by the next run's bar."""
+    import ray
+
+    from raylib.train.progress import ProgressBar
+
+    with ProgressBar(10, enabled=False) as first:
+        earlier = first.callback
+    with ProgressBar(10, enabled=False) as second:
+        assert second._reports.actor._actor_id == first._reports.actor._actor_id
+        for sender, step in ((second.callback, 5), (earlier, 3)):  # put before the bar closes
+            ray.get(sender.reports.actor.put_nowait.remote({"event": "report", "step": step, "loss": 1.0,
+                                                             "run_token": sender.token}))
+    assert second.last["step"] == 5  # the late step 3 came after it and was dropped

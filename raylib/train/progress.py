@@ -178,7 +178,8 @@ class ProgressBar:
         self._thread.join(timeout=5)
         self._bar.close()
         self._redirect.__exit__(None, None, None)
-        _queues.give_back(self._reports, drained=not self._thread.is_alive())
+        # kept for the next run after a run that ended; an interrupted or failed one leaves nothing
+        _queues.give_back(self._reports, reuse=exc[0] is None and not self._thread.is_alive())
 
 
 class _QueuePool:
@@ -218,13 +219,13 @@ class _QueuePool:
         return Queue(actor_options={"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
             ray.get_runtime_context().get_node_id(), soft=True)})
 
-    def give_back(self, q: Queue, drained: bool) -> None:
+    def give_back(self, q: Queue, reuse: bool) -> None:
         import ray
 
         if not ray.is_initialized():  # disconnected meanwhile: the queue died with the driver
             return
         with self._lock:
-            if drained and self._session == self._current():
+            if reuse and self._session == self._current():
                 self._free.append(q)
                 return
         with contextlib.suppress(Exception):

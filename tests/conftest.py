@@ -8,6 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from raylib.train import ds_ops
+
+# One ninja for every process of the session (this one, its subprocesses, the Ray clusters it
+# starts, `ray start` heads that put the venv first on PATH): with two, DeepSpeed's ops are rebuilt
+# at each switch (see ds_ops.use_this_pythons_ninja)
+ds_ops.use_this_pythons_ninja()
+
 pytest_plugins = ["tests.s3_fixture"]  # a SeaweedFS S3 server per test session, on free ports
 
 REPO = Path(__file__).resolve().parents[1]

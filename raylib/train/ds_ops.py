@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +69,7 @@ def load(op_names: list[str], stale_after_s: float = STALE_AFTER_S) -> list[str]
     can build; DeepSpeed's later loads in this process reuse them. -> the names loaded."""
     from deepspeed.accelerator import get_accelerator
 
+    use_this_pythons_ninja()
     builders = []
     for name in op_names:
         builder = get_accelerator().create_op_builder(name)
@@ -81,6 +83,18 @@ def load(op_names: list[str], stale_after_s: float = STALE_AFTER_S) -> list[str]
             clear_stale_baton(folders[builder.name], stale_after_s)
             builder.load(verbose=False)
     return [b.name for b in builders]
+
+
+def use_this_pythons_ninja() -> None:
+    """Put the `ninja` installed beside this Python (the ninja wheel) first on this process's PATH,
+    for torch's builds here and DeepSpeed's later loads. torch runs the first `ninja` on PATH, and
+    ninja versions keep incompatible build logs (1.11 writes v5, 1.12+ v7, each discards the
+    other's): a process that finds another ninja (a system one; a Ray node whose PATH starts with
+    the venv) rebuilds every op it loads, 73 CPU-s for shm_comm, and the next process builds it back."""
+    bin_dir = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "")
+    if os.path.isfile(os.path.join(bin_dir, "ninja")) and path.split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = bin_dir + os.pathsep + path
 
 
 def needed(offload_optimizer: bool) -> list[str]:

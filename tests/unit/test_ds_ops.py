@@ -64,3 +64,30 @@ def test_the_shm_op_loads_past_a_dead_builders_lock(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "['deepspeed_shm_comm']" in done.stdout
     assert "removed a stale torch build lock" in done.stderr and not baton.exists()
+
+
+def test_ops_load_with_the_ninja_beside_python_whatever_comes_first_on_path(tmp_path):
+    """A process whose PATH finds another ninja first (here one that fails and leaves a mark; in
+    life a system ninja whose build log the venv's discards) loads the built op as it is: torch
+    runs the ninja of this Python, which finds nothing to rebuild."""
+    import torch.utils.cpp_extension as ext
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    built = Path(ext._get_build_directory("deepspeed_shm_comm", verbose=False))
+    if not (built / "deepspeed_shm_comm.so").exists():
+        pytest.skip(f"DeepSpeed's shm op is not built in {built} (make setup builds it)")
+    shutil.copytree(built, tmp_path / "deepspeed_shm_comm", ignore=shutil.ignore_patterns("lock"))
+    so = tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+    before = so.stat().st_mtime_ns
+    other = tmp_path / "other-bin"
+    other.mkdir()
+    (other / "ninja").write_text(f"#!/bin/sh\ntouch {tmp_path}/other-ninja-ran\nexit 1\n")
+    (other / "ninja").chmod(0o755)
+    code = "from raylib.train import ds_ops; print(ds_ops.load([ds_ops.SHM_COMM]))"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "DS_ACCELERATOR": "cpu",
+           "PATH": f"{other}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "['deepspeed_shm_comm']" in done.stdout
+    assert not (tmp_path / "other-ninja-ran").exists()
+    assert so.stat().st_mtime_ns == before  # not rebuilt

@@ -46,7 +46,7 @@ def connect(
     }
     if address:
         log.info("joining the Ray cluster at %s", address)
-        # the State API Train's placement-group cleaner asks must be this cluster's (see below)
+        # the State API the job's workers ask must be this cluster's (see below)
         api_server = _api_server_of(address)
         if api_server:
             kwargs["runtime_env"] = {**(runtime_env or {}), "env_vars": {
@@ -55,11 +55,11 @@ def connect(
     else:
         num_cpus = max(os.cpu_count() or 1, int(num_cpus_needed + 0.999) + DATA_CPU_HEADROOM)
         log.info("starting an embedded local Ray cluster (%d logical CPUs)", num_cpus)
-        # Ray's State API (which Train V2's placement-group cleaner asks whether the run's
-        # controller is alive) finds "the" local cluster through /tmp/ray or ps when given no
-        # address: with several clusters on this host it can ask the wrong one, see the
-        # controller missing, and remove a live run's placement group. Pin it to this cluster
-        # in every worker of the job. (Not in this process's environment: Ray's job client lets
+        # Ray's State API (which Ray Train asks whether a run's controller is alive: its run
+        # tracking, and its placement-group cleaner where a user's own TorchTrainer starts one)
+        # finds "the" local cluster through /tmp/ray or ps when given no address: with several
+        # clusters on this host it can ask the wrong one and take a live run for dead. Pin it to
+        # this cluster in every worker of the job. (Not in this process's environment: Ray's job client lets
         # RAY_API_SERVER_ADDRESS override the address it is given.)
         port = _free_port()
         api_server = f"http://127.0.0.1:{port}"
@@ -141,7 +141,7 @@ def _api_server_of(address: str) -> str | None:
         from ray.dashboard.utils import ray_address_to_api_server_url
 
         return ray_address_to_api_server_url(address)
-    except Exception as e:  # no dashboard: Train's cleaner falls back to its own lookup
+    except Exception as e:  # no dashboard: the State API falls back to its own lookup
         log.debug("no State API address for %s: %s", address, e)
         return None
 

@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
 from ray.util.queue import Empty, Queue
 
 log = logging.getLogger(__name__)
@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 RUN_LOG_HANDLER = "raylib-run-log"
 
 
-class RunForwarder(ReportCallback, ControllerCallback):
-    """Runs in the Ray Train controller: forwards reports and the run's failures to the driver.
+class RunForwarder(ReportCallback, ControllerCallback, WorkerGroupCallback):
+    """Runs in the Ray Train controller: forwards reports, the run's failures and its worker
+    groups' placement groups (which the driver removes should the controller die) to the driver.
 
     Never raises (a failing callback would fail the run) and never blocks the controller's loop:
     each event is one fire-and-forget call to the queue actor."""
@@ -49,6 +50,11 @@ class RunForwarder(ReportCallback, ControllerCallback):
     def after_controller_start(self, train_run_context) -> None:
         with contextlib.suppress(Exception):
             self.max_failures = train_run_context.run_config.failure_config.max_failures
+
+    def after_worker_group_start(self, worker_group) -> None:
+        with contextlib.suppress(Exception):
+            pg = worker_group.get_worker_group_state().placement_group_handle.placement_group
+            self._send({"event": "placement_group", "id": pg.id.hex()})
 
     def after_report(self, training_report, metrics: list[dict[str, Any]]) -> None:
         self._send({**metrics[0], "event": "report",
@@ -133,6 +139,7 @@ class ProgressBar:
         self.total, self.enabled, self.desc = total_steps, enabled, desc
         self.last: dict[str, Any] = {}
         self.events: list[dict[str, Any]] = []
+        self.placement_groups: list[str] = []  # the run's worker groups' (hex ids), in order
 
     def __enter__(self) -> ProgressBar:
         from tqdm.auto import tqdm
@@ -164,7 +171,11 @@ class ProgressBar:
                 self.show(m)
 
     def show(self, m: dict[str, Any]) -> None:
-        """Apply one forwarded event: a report moves the bar, anything else is a warning."""
+        """Apply one forwarded event: a report moves the bar, a placement group is noted, anything
+        else is a warning."""
+        if m.get("event") == "placement_group":
+            self.placement_groups.append(m["id"])
+            return
         if m.get("event", "report") != "report":
             self.events.append(m)
             log.warning("%s", describe_event(m))
@@ -173,9 +184,13 @@ class ProgressBar:
         self._bar.update(max(0, m["step"] - self._bar.n))
         self._bar.set_postfix_str(postfix(m), refresh=True)
 
-    def __exit__(self, *exc) -> None:
+    def settle(self) -> None:
+        """Wait until every event already on the queue has been applied (the run is over)."""
         self._stop.set()
         self._thread.join(timeout=5)
+
+    def __exit__(self, *exc) -> None:
+        self.settle()
         self._bar.close()
         self._redirect.__exit__(None, None, None)
         # kept for the next run after a run that ended; an interrupted or failed one leaves nothing

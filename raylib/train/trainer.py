@@ -163,6 +163,8 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
             except BaseException as e:
                 if reservation:
                     reservation.release()
+                bar.settle()
+                remove_orphaned_placement_groups(bar.placement_groups)
                 _raise_run_failed(spec, e, run_dir)
                 raise
             # A preempted job is already queued again (and may even have been granted its gang
@@ -190,19 +192,44 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
 
 @functools.cache
 def _trainer_class():
-    """TorchTrainer without Ray Data's DatasetManager when the run passes no datasets (the rank
-    reader, the default): Ray Train starts that actor, a process of its own, for every run even
-    when there is nothing for it to split."""
+    """TorchTrainer without two helper actors Ray Train starts for every run, each a process of
+    its own (2-3 CPU-s apiece, a tenth of a small run's):
+    - Ray Data's DatasetManager when the run passes no datasets (the rank reader, the default);
+    - the PlacementGroupCleaner, a detached actor that polls the State API and removes the
+      workers' placement group should the controller die. The driver does that instead
+      (remove_orphaned_placement_groups, from the ids RunForwarder sends it); a driver that dies
+      takes its job's placement groups with it."""
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
     class Trainer(TorchTrainer):
         def _create_default_callbacks(self):
-            callbacks = super()._create_default_callbacks()
-            return callbacks if self.datasets else [c for c in callbacks
-                                                    if not isinstance(c, DatasetsCallback)]
+            dropped = (PlacementGroupCleanerCallback,) + (() if self.datasets else (DatasetsCallback,))
+            return [c for c in super()._create_default_callbacks() if not isinstance(c, dropped)]
 
     return Trainer
+
+
+def remove_orphaned_placement_groups(ids: list[str]) -> list[str]:
+    """After a failed run: remove those of its worker groups' placement groups that still exist.
+    Ray Train's controller removes them itself when a run fails or is aborted; one that died
+    (killed, out of memory) cannot. -> the ids removed."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    removed = []
+    for pg_id in ids:
+        pg = PlacementGroup(ray.PlacementGroupID.from_hex(pg_id))
+        try:
+            if ray.util.placement_group_table(pg).get("state", "REMOVED") != "REMOVED":
+                remove_placement_group(pg)
+                removed.append(pg_id)
+        except Exception as e:  # disconnected, or being removed meanwhile
+            log.debug("placement group %s: %s", pg_id, e)
+    if removed:
+        log.warning("removed the placement group(s) %s of run workers whose controller is gone", removed)
+    return removed
 
 
 # Object-store credentials and endpoint reach the workers from the driver's environment only
@@ -317,8 +344,13 @@ def _gang_handle(reservation, resource: str) -> dict[str, str] | None:
 def _raise_run_failed(spec: JobSpec, error: BaseException, run_dir: Path) -> None:
     """After Ray Train gave up: one error that says how many failures happened, the last one,
     and where the last good checkpoint is (rerunning the same command resumes from it)."""
+    from ray.exceptions import RayActorError
     from ray.train import ControllerError, WorkerGroupError
 
+    if isinstance(error, RayActorError):  # fit() waits on nothing but the controller
+        raise RunFailed(f"run {spec.name!r} failed: its Ray Train controller process died "
+                        f"({_first_line(error)}); its workers went with it. "
+                        f"{last_checkpoint(spec, run_dir)}") from error
     if isinstance(error, WorkerGroupError):
         failures = f"{spec.run.max_failures + 1} worker-group failure(s) (run.max_failures=" \
                    f"{spec.run.max_failures})"
@@ -342,6 +374,10 @@ def _raise_run_failed(spec: JobSpec, error: BaseException, run_dir: Path) -> Non
     raise RunFailed(
         f"run {spec.name!r} failed after {failures}; last: {cause}. {last_checkpoint(spec, run_dir)}"
     ) from error
+
+
+def _first_line(error: BaseException) -> str:
+    return next((ln.strip() for ln in str(error).splitlines() if ln.strip()), type(error).__name__)
 
 
 def last_checkpoint(spec: JobSpec, run_dir: Path) -> str:

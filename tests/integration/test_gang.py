@@ -24,9 +24,8 @@ def labelled_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    # Train V2's placement-group cleaner asks the State API whether a run's controller lives: pin
-    # it to this cluster's dashboard, or on a shared host it may ask another cluster, find no such
-    # controller and remove a live run's placement group.
+    # Ray Train asks the State API whether a run's controller lives: pin it to this cluster's
+    # dashboard, or on a shared host it may ask another cluster and take a live run for dead.
     port = free_port()
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port})

@@ -167,3 +167,51 @@ def test_the_next_run_reuses_the_report_queue_and_ignores_a_late_event_of_the_la
             ray.get(sender.reports.actor.put_nowait.remote({"event": "report", "step": step, "loss": 1.0,
                                                              "run_token": sender.token}))
     assert second.last["step"] == 5  # the late step 3 came after it and was dropped
+
+
+@pytest.mark.ray
+@pytest.mark.chaos
+def test_a_dead_controllers_placement_group_is_removed_by_the_driver(tiny_dataset, tmp_path, ray_local):
+    """Ray Train's controller removes its workers' placement group when a run ends or fails. When
+    the controller itself dies (SIGKILLed here, once rank 0 trains), the driver removes it, from
+    the id the controller sent it, and says what happened; Ray Train's PlacementGroupCleaner (a
+    detached actor, a process per run) is not started for that."""
+    import threading
+
+    import psutil
+    import ray
+    from ray.util.state import list_actors
+
+    from raylib.train.trainer import RunFailed
+
+    def held() -> set[str]:
+        return {k for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
+
+    before = held()
+    spec = tiny_spec(tiny_dataset, tmp_path, name="dead-controller",
+                     run={"steps": 400, "log_every": 50, "verify": False})
+    rank0_log = spec.run_dir() / "logs" / "rank-0.log"
+    killed: list[int] = []
+    done = threading.Event()
+
+    def kill_the_controller_once_rank_0_trains() -> None:
+        while not (rank0_log.is_file() and "startup:" in rank0_log.read_text()):
+            if done.wait(0.05):
+                return
+        for p in psutil.process_iter(["cmdline"]):
+            if (p.info["cmdline"] or [""])[0].startswith("ray::TrainController"):
+                p.kill()
+                killed.append(p.pid)
+
+    killer = threading.Thread(target=kill_the_controller_once_rank_0_trains, daemon=True)
+    killer.start()
+    try:
+        with pytest.raises(RunFailed, match="controller process died") as failed:
+            run(spec, progress=False)
+    finally:
+        done.set()
+        killer.join(timeout=10)
+    assert killed, "the run ended before its controller could be killed"
+    assert "resume" in str(failed.value) or "checkpoint" in str(failed.value), failed.value
+    assert held() == before, "the dead controller's placement group is still held"
+    assert not list_actors(filters=[("class_name", "=", "PlacementGroupCleaner")])

@@ -1,8 +1,23 @@
 """raylib: a Ray-native runtime for training large models (Ray Train x DeepSpeed)."""
 
-from raylib.spec import JobSpec, SpecError
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raylib.spec import JobSpec, SpecError
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Imported on first use: every Ray worker process of an embedded cluster imports
+    # raylib.runtime (its setup hook), and the spec's pydantic models are most of that import.
+    if name in ("JobSpec", "SpecError"):
+        from raylib import spec
+
+        return getattr(spec, name)
+    raise AttributeError(f"module 'raylib' has no attribute {name!r}")
 
 
 def run(spec: JobSpec, address: str | None = None, progress: bool = True):

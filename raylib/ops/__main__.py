@@ -1,6 +1,6 @@
 """`python -m raylib.ops build [--force] [--strict]`: builds the C++ kernels of the CPU paths once
-into their cache folder (raylib.ops.native), and DeepSpeed's JIT ops (raylib.train.ds_ops), so
-that no test or training run pays for a build.
+into their cache folder (raylib.ops.native), and the DeepSpeed JIT op every CPU run loads
+(raylib.train.ds_ops.prebuild), so that no test or training run pays for a build.
 `make setup` runs it right after installing. Prints a line each; exits 0 even when the kernels
 cannot be built (the ops then run the PyTorch reference) unless --strict."""
 
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     from raylib.ops import native
     from raylib.train import ds_ops
 
-    # DeepSpeed's own JIT ops first: every training run loads them (a no-op when built)
+    # DeepSpeed's own JIT op first: every training run loads it (a no-op when built)
     start = time.perf_counter()
     try:
         loaded = ds_ops.prebuild()

@@ -97,6 +97,47 @@ def use_this_pythons_ninja() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + path
 
 
+def defer_muon_compile() -> None:
+    """Import DeepSpeed's Muon kernels with their torch.compile deferred to their first call.
+
+    Every ZeRO `deepspeed.initialize` imports deepspeed.runtime.zero.muon.original_muon (to ask
+    whether the optimizer is Muon), whose kernels are decorated with torch.compile at import;
+    building those decorators imports torch._inductor: 2.1 s of a core in every worker of every
+    run (measured: all of deepspeed.initialize for a small model), for an optimizer raylib's runs
+    rarely use. Here each kernel is compiled by the same torch.compile when it is first called."""
+    import functools
+    import importlib
+
+    if "deepspeed.runtime.zero.muon.original_muon" in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    original = compiler.compile
+
+    def deferred():
+        def decorate(fn):
+            compiled = None
+
+            @functools.wraps(fn)
+            def call(*args, **kwargs):
+                nonlocal compiled
+                if compiled is None:
+                    compiled = original()(fn)
+                return compiled(*args, **kwargs)
+
+            return call
+
+        return decorate
+
+    compiler.compile = deferred
+    try:
+        importlib.import_module("deepspeed.runtime.zero.muon.original_muon")
+    except ImportError as e:  # another DeepSpeed: its own import path applies
+        log.debug("DeepSpeed's Muon kernels not imported ahead: %s", e)
+    finally:
+        compiler.compile = original
+
+
 def needed(offload_optimizer: bool) -> list[str]:
     """The ops a worker's deepspeed.initialize will ask for."""
     return [SHM_COMM] + ([CPU_ADAM] if offload_optimizer else [])

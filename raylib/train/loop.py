@@ -35,6 +35,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
 
     commstats.install()  # before deepspeed: it keeps some collectives' function objects at import
     import deepspeed
+
+    ds_ops.defer_muon_compile()  # else every ZeRO deepspeed.initialize imports torch._inductor
     import ray
     import ray.train
     import torch

@@ -91,3 +91,44 @@ def test_ops_load_with_the_ninja_beside_python_whatever_comes_first_on_path(tmp_
     assert "['deepspeed_shm_comm']" in done.stdout
     assert not (tmp_path / "other-ninja-ran").exists()
     assert so.stat().st_mtime_ns == before  # not rebuilt
+
+
+def test_a_zero_initialize_imports_no_inductor_and_muon_kernels_compile_at_their_first_call(tmp_path):
+    """deepspeed.initialize (ZeRO-2) asks whether the optimizer is Muon by importing DeepSpeed's
+    Muon kernels, whose torch.compile decorators import inductor's compiler (2 s of every worker's
+    startup). After defer_muon_compile nothing imports it, and a kernel is handed to
+    torch.compile (stubbed here: compiling on the CPU takes a minute) when it is first called."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = f"""
+import json, os, sys
+os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}", RANK="0",
+                  WORLD_SIZE="1", LOCAL_RANK="0")
+import torch, deepspeed
+from raylib.train import ds_ops
+ds_ops.load([ds_ops.SHM_COMM])
+ds_ops.defer_muon_compile()
+deepspeed.init_distributed("gloo")
+model = torch.nn.Linear(8, 8)
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={{
+    "train_micro_batch_size_per_gpu": 2, "zero_optimization": {{"stage": 2}},
+    "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3, "torch_adam": True}}}}}})
+inductor = "torch._inductor.compile_fx" in sys.modules  # (torch._dynamo imports the package)
+from deepspeed.runtime.zero.muon import original_muon
+compiled = []
+torch.compile = lambda fn=None, **kw: (compiled.append(fn.__name__), lambda *a, **k: "compiled")[1]
+first = original_muon.zeropower_via_newtonschulz5(torch.eye(4), 1)
+again = original_muon.zeropower_via_newtonschulz5(torch.eye(4), 1)
+print(json.dumps({{"inductor": inductor, "compiled": compiled, "results": [first, again]}}))
+os._exit(0)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"inductor": False, "compiled": ["zeropower_via_newtonschulz5"],
+                      "results": ["compiled", "compiled"]}

@@ -126,7 +126,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
                          part_spec.world_size, spec.elastic_sizes(), ds_config["gradient_accumulation_steps"])
             gpus = worker_gpus(spec, on_gpu)
             try:
-                trainer = _trainer_class()(
+                trainer = _trainer_class(_a_driver_runs_this())(
                     worker_loop,
                     train_loop_config={**loop_config(part_spec, ds_config),
                                        "gang": _gang_handle(reservation, resource)},
@@ -191,24 +191,35 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
 
 
 @functools.cache
-def _trainer_class():
-    """TorchTrainer without two helper actors Ray Train starts for every run, each a process of
-    its own (2-3 CPU-s apiece, a tenth of a small run's):
+def _trainer_class(without_cleaner: bool):
+    """TorchTrainer without helper actors Ray Train starts for every run, each a process of its
+    own (2-3 CPU-s apiece, a tenth of a small run's):
     - Ray Data's DatasetManager when the run passes no datasets (the rank reader, the default);
-    - the PlacementGroupCleaner, a detached actor that polls the State API and removes the
-      workers' placement group should the controller die. The driver does that instead
-      (remove_orphaned_placement_groups, from the ids RunForwarder sends it); a driver that dies
-      takes its job's placement groups with it."""
+    - with `without_cleaner`, the PlacementGroupCleaner: a detached actor that polls the State API
+      and removes the workers' placement group should the controller die (Ray removes it only once
+      both the controller and its job are gone). In a driver process the driver does that instead
+      (remove_orphaned_placement_groups, from the ids RunForwarder sends it), and a driver that
+      dies ends its job. A run inside an actor (a Tune trial, which Tune stops by ending its
+      process) keeps the cleaner: nothing of the trial is left to remove it."""
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
     class Trainer(TorchTrainer):
         def _create_default_callbacks(self):
-            dropped = (PlacementGroupCleanerCallback,) + (() if self.datasets else (DatasetsCallback,))
+            dropped = ((PlacementGroupCleanerCallback,) if without_cleaner else ()) + \
+                (() if self.datasets else (DatasetsCallback,))
             return [c for c in super()._create_default_callbacks() if not isinstance(c, dropped)]
 
     return Trainer
+
+
+def _a_driver_runs_this() -> bool:
+    """Whether this process is a Ray driver (a script, a notebook, a `ray job` entrypoint) rather
+    than a Ray worker (a Tune trial's actor, a task)."""
+    from ray._private import worker
+
+    return worker.global_worker.mode == worker.SCRIPT_MODE
 
 
 def remove_orphaned_placement_groups(ids: list[str]) -> list[str]:

@@ -187,7 +187,10 @@ def test_a_dead_controllers_placement_group_is_removed_by_the_driver(tiny_datase
     def held() -> set[str]:
         return {k for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
 
-    before = held()
+    def cleaners() -> set[str]:
+        return {a.actor_id for a in list_actors(filters=[("class_name", "=", "PlacementGroupCleaner")])}
+
+    before, cleaners_before = held(), cleaners()
     spec = tiny_spec(tiny_dataset, tmp_path, name="dead-controller",
                      run={"steps": 400, "log_every": 50, "verify": False})
     rank0_log = spec.run_dir() / "logs" / "rank-0.log"
@@ -214,4 +217,17 @@ def test_a_dead_controllers_placement_group_is_removed_by_the_driver(tiny_datase
     assert killed, "the run ended before its controller could be killed"
     assert "resume" in str(failed.value) or "checkpoint" in str(failed.value), failed.value
     assert held() == before, "the dead controller's placement group is still held"
-    assert not list_actors(filters=[("class_name", "=", "PlacementGroupCleaner")])
+    assert cleaners() == cleaners_before
+
+
+@pytest.mark.ray
+def test_a_run_inside_a_ray_worker_keeps_rays_placement_group_cleaner(ray_local):
+    """A run whose caller is a Ray worker (a Tune trial's actor) can be ended without unwinding
+    (Tune stops a trial by ending its process): nothing would be left to remove a dead
+    controller's placement group, so Ray Train's cleaner stays. A driver does without it."""
+    import ray
+
+    from raylib.train.trainer import _a_driver_runs_this
+
+    assert _a_driver_runs_this()
+    assert ray.get(ray.remote(num_cpus=0)(_a_driver_runs_this).remote()) is False

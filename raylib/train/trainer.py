@@ -41,12 +41,12 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     callbacks: extra Ray Train callbacks for the run's controller (raylib.tune's trial probe)."""
     import ray
     import ray.train
-    from ray.train.torch import TorchConfig
 
     from raylib import preflight, runtime
     from raylib.data.build import DatasetManifest, build, is_built, read_index
     from raylib.data.pipeline import check_tiers, with_reader_tiers
     from raylib.data.source import training_dataset
+    from raylib.train.backend import ProcessGroupConfig
     from raylib.train.loop import worker_loop
     from raylib.train.model import model_config
     from raylib.train.parallel import check_layout
@@ -130,7 +130,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
                     worker_loop,
                     train_loop_config={**loop_config(part_spec, ds_config),
                                        "gang": _gang_handle(reservation, resource)},
-                    torch_config=TorchConfig(backend="nccl" if on_gpu else "gloo"),
+                    torch_config=ProcessGroupConfig(backend="nccl" if on_gpu else "gloo"),
                     scaling_config=ray.train.ScalingConfig(
                         num_workers=part_spec.world_size,
                         use_gpu=gpus > 0,  # on CPU training with a GPU share: logical GPUs (gloo)

@@ -394,8 +394,9 @@ def test_killed_worker_resumes_exactly_then_on_one_worker(cluster, tiny_dataset,
     # The newest complete checkpoint at the kill, or the next one if the killed rank's part of it
     # was already on its way to a keeper.
     assert seen["killed_after"] <= s["start_step"] <= seen["killed_after"] + 2, (seen, s["start_step"])
-    assert s["steps"] == steps and s["loss_curve"] == whole["loss_curve"][s["start_step"]:]
     ckpt = s["checkpoint"]
+    assert s["steps"] == steps and s["loss_curve"] == whole["loss_curve"][s["start_step"]:], \
+        (seen, s["loss_curve"], whole["loss_curve"], ckpt, s.get("attempts"))
     assert ckpt["restore_source"].startswith("memory-"), ckpt
     assert ckpt["restored_step"] == s["start_step"] and ckpt["restore_s"] > 0
     assert ckpt["snapshots"] == (steps - s["start_step"]) // 2 and ckpt["refused"] == 0

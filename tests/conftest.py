@@ -15,6 +15,11 @@ from raylib.train import ds_ops
 # at each switch (see ds_ops.use_this_pythons_ninja)
 ds_ops.use_this_pythons_ninja()
 
+# Ray's agents export what the workers report every 10 s by default: the telemetry tests that read
+# a node's metrics endpoint would wait most of that for each figure. Every cluster the suite starts
+# inherits this (the `ray start` heads of tests/integration/ray_head.py scrub RAY_* variables).
+os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
+
 pytest_plugins = ["tests.s3_fixture"]  # a SeaweedFS S3 server per test session, on free ports
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,6 +15,14 @@ def connect_driver(to: str, init) -> None:
         _CONNECTED["to"] = to
 
 
+def state_api() -> str:
+    """The State API of the cluster this driver is connected to: without an address, ray.util.state
+    looks for "the" cluster on this host and refuses to choose when it finds several."""
+    from ray._private.worker import get_dashboard_url
+
+    return f"http://{get_dashboard_url()}"
+
+
 @pytest.fixture
 def ray_local():
     """A real embedded Ray cluster (4 logical CPUs: 2 training workers + Ray Data), shared by

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.integration.conftest import connect_driver
+from tests.integration.conftest import connect_driver, state_api
 from tests.integration.ray_head import free_port
 
 pytestmark = [pytest.mark.ray]
@@ -292,7 +292,7 @@ def kill_a_worker_after_a_checkpoint(api: str, prefix: str, seen: dict, timeout_
     pids: list[int] = []
     while time.monotonic() < deadline:
         if not pids:  # known before the checkpoint lands, so the kill follows it closely
-            workers = list_actors(address=api, filters=[("class_name", "=", "RayTrainWorker"),
+            workers = list_actors(address=api or state_api(), filters=[("class_name", "=", "RayTrainWorker"),
                                                          ("state", "=", "ALIVE")])
             pids = [w["pid"] for w in workers if w.get("pid")]
         else:

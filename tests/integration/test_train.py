@@ -207,12 +207,14 @@ def test_a_dead_controllers_placement_group_is_removed_by_the_driver(tiny_datase
     from ray.util.state import list_actors
 
     from raylib.train.trainer import RunFailed
+    from tests.integration.conftest import state_api
 
     def held() -> set[str]:
         return {k for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
 
     def cleaners() -> set[str]:
-        return {a.actor_id for a in list_actors(filters=[("class_name", "=", "PlacementGroupCleaner")])}
+        return {a.actor_id for a in list_actors(address=state_api(),
+                                                filters=[("class_name", "=", "PlacementGroupCleaner")])}
 
     before, cleaners_before = held(), cleaners()
     spec = tiny_spec(tiny_dataset, tmp_path, name="dead-controller",

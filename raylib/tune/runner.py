@@ -80,6 +80,9 @@ def tune(spec: JobSpec, settings: TuneSpec | None = None, address: str | None = 
         # the trial only drives its TorchTrainer, whose workers hold the CPUs (Tune refuses 0)
         {"cpu": 0.01},
     )
+    # Tune's TensorBoard logger warns on the console for each NaN it writes (a trial's metric
+    # before its first evaluation): the values stay in the event files, the console stays quiet
+    logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
     if resume:
         tuner = ray_tune.Tuner.restore(str(experiment), trainable=trainable)
     else:

@@ -1,6 +1,7 @@
 """The C++ kernels of the CPU paths (kernels/cpu): found, built once per machine, loaded.
 
-The sources ship in the wheel as the package `raylib_kernels` (the repository's kernels/ folder);
+The sources ship in the wheel as the namespace package `raylib_kernels` (the repository's kernels/
+folder, kept free of __init__.py so that it never shadows an installed `kernels`: kernels/README.md);
 in a source checkout that is not installed they are read from <repo>/kernels. They are built with
 torch.utils.cpp_extension into a cache folder keyed by everything the binary depends on (the
 sources, torch's version, Python's, the compiler and its flags, this CPU: the build uses

@@ -10,6 +10,8 @@ below is a no-op then."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -244,6 +246,20 @@ def test_wheel_lists_every_raylib_package_and_the_kernel_sources():
     assert {"raylib_kernels", "raylib_kernels.cpu", "raylib_kernels.triton"} <= set(config["packages"])
     assert native.kernels_dir() == REPO / "kernels"
     assert (native.kernels_dir() / "cpu" / "elementwise.cpp").is_file()
+
+
+def test_repo_kernels_folder_never_shadows_an_installed_kernels_package(tmp_path):
+    """From the repo root (pytest, make demo, Ray workers: '' or the root is first on sys.path) an
+    installed package named `kernels` (Hugging Face's, which transformers imports when present)
+    must win over this repo's kernels/ folder. A stand-in is installed at the END of sys.path, as
+    site-packages would be; with a kernels/__init__.py in the repo the repo's folder wins."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("WHO = 'installed'\n")
+    probe = (f"import sys; sys.path.append({str(tmp_path)!r}); import kernels; "
+             "print(kernels.WHO, kernels.__file__)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split()[0] == "installed", out.stdout + out.stderr
+    assert not list((REPO / "kernels").rglob("__init__.py"))
 
 
 # -- CUDA (Triton) ----------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ class CausalLM(_LanguageModel):
     so no token attends across a document boundary; and the first token of a document is never a
     label (it would be predicted from the previous document). The separator itself is predicted:
     the model learns where a document ends. Families whose model builds its causal mask without
-    the position ids (BERT as a decoder, in transformers 5.x) attend across documents inside a row,
+    the position ids (BERT as a decoder, before transformers 5.25) attend across documents in a row,
     as GPT-2's and Megatron's original pretraining did; their labels still never cross
     (tests/unit/test_tasks.py checks both behaviours per family).
     """

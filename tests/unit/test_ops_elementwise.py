@@ -251,11 +251,12 @@ def test_wheel_lists_every_raylib_package_and_the_kernel_sources():
 def test_repo_kernels_folder_never_shadows_an_installed_kernels_package(tmp_path):
     """From the repo root (pytest, make demo, Ray workers: '' or the root is first on sys.path) an
     installed package named `kernels` (Hugging Face's, which transformers imports when present)
-    must win over this repo's kernels/ folder. A stand-in is installed at the END of sys.path, as
-    site-packages would be; with a kernels/__init__.py in the repo the repo's folder wins."""
+    must win over this repo's kernels/ folder. A stand-in goes right after the repo root on sys.path
+    (where site-packages or PYTHONPATH would be, ahead of any real `kernels` installed here); with a
+    kernels/__init__.py in the repo the repo's folder wins."""
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "__init__.py").write_text("WHO = 'installed'\n")
-    probe = (f"import sys; sys.path.append({str(tmp_path)!r}); import kernels; "
+    probe = (f"import sys; assert sys.path[0] == ''; sys.path.insert(1, {str(tmp_path)!r}); import kernels; "
              "print(kernels.WHO, kernels.__file__)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split()[0] == "installed", out.stdout + out.stderr

@@ -826,9 +826,13 @@ class JobSpec(_Section):
             self._check_elastic()
         else:
             resolve_batch(s, self.dp_size, user)
-        if not self.telemetry.enabled and self.health.enabled and self.health.model_fields_set:
-            raise ValueError("health rules read the telemetry, which telemetry.enabled: false turns off; "
-                             "enable telemetry or set health.enabled: false")
+        if not self.telemetry.enabled and self.health.enabled:
+            if self.health.model_fields_set:
+                raise ValueError("health rules read the telemetry, which telemetry.enabled: false turns off; "
+                                 "enable telemetry or set health.enabled: false")
+            # the default rules go off with the telemetry, explicitly: the spec the workers get
+            # (every field set) must validate as this one did
+            self.health.enabled = False
         return self
 
     def _check_elastic(self) -> None:

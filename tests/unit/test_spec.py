@@ -499,3 +499,25 @@ def test_persist_every_is_a_count_or_a_duration():
     assert CheckpointSpec().persist_every == "10m" and CheckpointSpec().persist_interval_s == 600
     assert CheckpointSpec(persist_every=4).persist_interval_s is None
     assert [parse_duration(t) for t in ("30s", "1.5m", "2h")] == [30, 90, 7200]
+
+
+@pytest.mark.parametrize("data", [
+    {},
+    {"telemetry": {"enabled": False}},  # failed in every worker, 4 times, before this test
+    {"telemetry": {"enabled": False}, "health": {"enabled": False}},
+    {"telemetry": {"interval_s": 2.0}, "health": {"preflight": False}},
+    {"strategy": {"zero_stage": 3, "precision": "bf16"}, "checkpoint": {"persist_every": 4}},
+])
+def test_the_spec_a_worker_gets_validates_as_the_drivers_did(data):
+    """Workers rebuild the spec from its JSON dump (every field set): a validator that reads which
+    fields the user set must give the same verdict on that dump."""
+    spec = JobSpec.from_dict(data)
+    again = JobSpec.model_validate(spec.model_dump(mode="json"))
+    assert again == spec
+
+
+def test_telemetry_off_turns_the_default_health_rules_off_but_refuses_explicit_ones():
+    assert JobSpec.from_dict({"telemetry": {"enabled": False}}).health.enabled is False
+    assert JobSpec.from_dict({}).health.enabled is True
+    assert "enable telemetry or set health.enabled: false" in spec_error(
+        {"telemetry": {"enabled": False}, "health": {"rules": []}})

@@ -33,10 +33,9 @@ utilisation (mfu: model FLOPs per step over the mean step time after warm-up, ov
 peak: on CPU a 1-thread matmul of that dtype measured once and cached; the time breakdown of rank
 0's loop), samples/s, and energy per token (telemetry.energy.per_token_j: without RAPL, as here, an
 estimate from the ranks' CPU time x 10 W per core, labelled so). Not a target on CPU. The
-breakdown's `other` is large here: the loop calls ray.train.report every run.log_every (10) steps and
-Ray Train's controller drains one report per worker per poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S,
-2 s), so at ~0.1 s steps the loop waits about as long as it computes; step times (hence MFU and the
-overhead) exclude that wait, the runs' wall time does not.
+breakdown's `other` holds what the loop does between steps (the progress event, the report to Ray
+Train at most once per 1.5 controller polls, checkpoints); step times (hence MFU and the overhead)
+exclude it, the runs' wall time does not.
 
 GPU, when torch.cuda.is_available(): BERT-large (BERT's 30522-token vocabulary over the corpus at
 seq 128, as bench/kernels_train.py builds it), kernels fused, bf16, 1 worker: MFU (target >= 0.5);

@@ -52,12 +52,14 @@ _presets("gpt2", {
     "gpt2-large": dict(n_layer=36, n_embd=1280, n_head=20),
     "gpt2-xl": dict(n_layer=48, n_embd=1600, n_head=25),
 })
-# Llama: tiny shapes, TinyLlama-1.1B's and Llama-2-7B's
+# Llama: tiny shapes, SmolLM-135M's, TinyLlama-1.1B's and Llama-2-7B's
 _presets("llama", {
     "llama-tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                        intermediate_size=344),
     "llama-mini": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
                        intermediate_size=688),
+    "llama-135m": dict(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                       intermediate_size=1536, max_position_embeddings=2048, tie_word_embeddings=True),
     "llama-1b": dict(num_hidden_layers=22, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
                      intermediate_size=5632, max_position_embeddings=2048),
     "llama-7b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,

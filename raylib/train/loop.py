@@ -125,7 +125,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     telemetry = _start_telemetry(spec, rank, ctx.get_local_rank(), node, on_gpu, config.get("gang"))
     utilisation = whole if layout.pp > 1 else \
         Utilisation.of(engine.module, spec, index.seq_len, global_batch, on_gpu) if rank == 0 else None
-    probe_job = _job_probe(config.get("gang"), rank, engine.device, telemetry)
+    cadence = ReportCadence(config.get("report_interval_s", 0.0))
+    probe_job = _job_probe(config.get("gang"), rank, engine.device, telemetry, cadence)
     marks.append(("data, evaluator, telemetry", time.perf_counter()))
     log.info("startup: %s", ", ".join(
         f"{name} {t - prev:.2f} s" for (name, t), (_, prev) in zip(marks[1:], marks[:-1], strict=True)))
@@ -183,18 +184,27 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
                 metrics.update(evaluator(engine) if layout.pp == 1 else _pipe_eval(engine, evaluator, spec))
                 evals.append({"step": done, **{k: v for k, v in metrics.items() if k.startswith("eval_")}})
                 loop_start += time.perf_counter() - te  # evaluation is not training time
+            logged = done % spec.run.log_every == 0
+            report_due = evaluated = bool(evals) and evals[-1]["step"] == done
             # a preempted job (or one a health rule isolated or stopped) checkpoints here and stops;
             # the driver waits for its gang again (or reports the rule)
-            if probe_job is not None and done < spec.run.steps and done % spec.run.log_every == 0:
-                stop_code = probe_job()
-            if stop_code or _checkpoint_due(spec, done):
+            if logged and done < spec.run.steps:
+                stop_code, cadence_due = probe_job()
+                report_due = report_due or cadence_due
+            report_due = report_due or done == spec.run.steps
+            checkpointing_now = bool(stop_code) or _checkpoint_due(spec, done)
+            if checkpointing_now:
                 with parts.phase("checkpoint"):
                     compression = reduction.state_dict()
                     client = _client_state(pipeline, on_gpu, config.get("peft_base"), layout.tp, layout.pp)
                     checkpointer.save(engine, done, metrics, client,
                                       rank_state={"compression": compression} if compression else None)
-            elif done % spec.run.log_every == 0 or (evals and evals[-1]["step"] == done):
+                cadence.reported()
+            elif report_due:
                 ray.train.report(metrics)
+                cadence.reported()
+            if rank == 0 and (logged or evaluated or done == spec.run.steps) and config.get("progress"):
+                config["progress"].send(metrics, checkpoint=checkpointing_now)
             if stop_code:
                 break
     except BaseException:  # power limits and the sampler are given back whatever ends the loop
@@ -404,28 +414,51 @@ def _restore_rng(rng: dict[str, list[int]] | None, on_gpu: bool) -> None:
         torch.cuda.set_rng_state(torch.tensor(rng["cuda"], dtype=torch.uint8))
 
 
-def _job_probe(gang: dict[str, str] | None, rank: int, device, telemetry):
-    """A collective check (all ranks call it at the same steps and get the same answer): must the
-    job stop? 0: no; 1: checkpoint, stop and resume when its gang is granted again (the gang
-    scheduler preempted it, or a health rule isolated a node it holds); 2: checkpoint and stop
-    (a health rule's `stop`, or `isolate` without a gang scheduler to move it)."""
-    if gang is None and (telemetry is None or not telemetry.spec.health.enabled):
-        return None
+class ReportCadence:
+    """When the loop reports to Ray Train: at checkpoints, evaluations and the last step, and at a
+    log_every step once `interval_s` has passed since the last report (rank 0's clock; the ranks
+    agree through the job probe's collective). Ray Train's controller takes one report per poll;
+    a report sooner than that would wait for it (see raylib.train.trainer.REPORT_SPACING_POLLS).
+    0: at every log_every step (a tuning trial, whose controller polls fast, reports each one)."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self._last = time.monotonic()
+
+    def due(self) -> bool:
+        return time.monotonic() - self._last >= self.interval_s
+
+    def reported(self) -> None:
+        self._last = time.monotonic()
+
+
+def _job_probe(gang: dict[str, str] | None, rank: int, device, telemetry, cadence: ReportCadence):
+    """A collective check (all ranks call it at the same steps and get the same answer): (must the
+    job stop?, is a report to Ray Train due?). Stop code 0: no; 1: checkpoint, stop and resume when
+    its gang is granted again (the gang scheduler preempted it, or a health rule isolated a node it
+    holds); 2: checkpoint and stop (a health rule's `stop`, or `isolate` without a gang scheduler
+    to move it). Without a gang, health rules or a report interval it is no collective at all."""
+    health = telemetry is not None and telemetry.spec.health.enabled
+    if gang is None and not health and cadence.interval_s <= 0:
+        return lambda: (0, True)
     import ray
     import torch
     import torch.distributed as dist
 
     actor = ray.get_actor(gang["actor"], namespace=gang["namespace"]) if gang and rank == 0 else None
 
-    def probe() -> int:
-        code = torch.zeros(1, dtype=torch.int32, device=device)  # NCCL: on the GPU
+    def probe() -> tuple[int, bool]:
+        code = torch.zeros(2, dtype=torch.int32, device=device)  # NCCL: on the GPU
         if actor is not None:
             code[0] = int(ray.get(actor.preempt_requested.remote(gang["job_id"])))
-        if telemetry is not None:
+        if health:
             severity = telemetry.severity()
             code[0] = max(int(code[0]), 2 if severity == 1 and gang is None else severity)
+        if rank == 0:
+            code[1] = int(cadence.due())
         dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        return int(code.item())
+        stop, due = code.tolist()
+        return int(stop), bool(due)
 
     return probe
 

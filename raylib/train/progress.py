@@ -5,9 +5,13 @@ starting, one progress bar (steps, loss, samples/s, data wait), the warnings tha
 failing, a restart, a preemption) and the summary. Everything the workers log or print stays in
 Ray's session logs and, per rank, in <run dir>/logs/rank-N.log (`worker_logs`).
 
-Ray Train V2 calls callbacks in its controller actor, not in the driver: `RunForwarder` puts rank
-0's reports and the controller's restarts / preemptions / rescheduling on a Ray queue, which a
-driver thread drains into the bar and into warnings printed above it.
+Two senders share one Ray queue, which a driver thread drains into the bar and into warnings
+printed above it: rank 0 puts its progress (every run.log_every steps) on it itself through a
+`ProgressChannel`, and `RunForwarder`, a Ray Train callback (V2 calls them in its controller
+actor, not in the driver), puts the controller's restarts / preemptions / rescheduling there.
+Progress does not travel as Ray Train reports: the controller collects those only once per poll
+(RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s), so the loop reports to Ray Train at most that often
+(raylib.train.loop.ReportCadence).
 """
 
 from __future__ import annotations
@@ -21,17 +25,36 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ray.train.v2._internal.execution.callback import ControllerCallback, ReportCallback, WorkerGroupCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.util.queue import Empty, Queue
 
 log = logging.getLogger(__name__)
 
 RUN_LOG_HANDLER = "raylib-run-log"
+DRAIN_WAIT_S = 30.0
 
 
-class RunForwarder(ReportCallback, ControllerCallback, WorkerGroupCallback):
-    """Runs in the Ray Train controller: forwards reports, the run's failures and its worker
-    groups' placement groups (which the driver removes should the controller die) to the driver.
+_SETTLED = "settled"  # the driver's own last event: everything put before it has been shown
+
+
+class ProgressChannel:
+    """Rank 0's end of the driver's queue (pickled into the training loop's config): one
+    fire-and-forget call per progress event; the training loop never waits on the driver."""
+
+    def __init__(self, reports: Queue, token: str):
+        self.reports, self.token = reports, token
+
+    def send(self, metrics: dict[str, Any], checkpoint: bool = False) -> None:
+        try:
+            self.reports.actor.put_nowait.remote({**metrics, "event": "report", "checkpoint": checkpoint,
+                                                  "run_token": self.token})
+        except Exception:  # the driver is gone: nobody to tell
+            pass
+
+
+class RunForwarder(ControllerCallback, WorkerGroupCallback):
+    """Runs in the Ray Train controller: forwards the run's failures and its worker groups'
+    placement groups (which the driver removes should the controller die) to the driver.
 
     Never raises (a failing callback would fail the run) and never blocks the controller's loop:
     each event is one fire-and-forget call to the queue actor."""
@@ -55,10 +78,6 @@ class RunForwarder(ReportCallback, ControllerCallback, WorkerGroupCallback):
         with contextlib.suppress(Exception):
             pg = worker_group.get_worker_group_state().placement_group_handle.placement_group
             self._send({"event": "placement_group", "id": pg.id.hex()})
-
-    def after_report(self, training_report, metrics: list[dict[str, Any]]) -> None:
-        self._send({**metrics[0], "event": "report",
-                    "checkpoint": training_report.checkpoint is not None})
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         try:
@@ -131,7 +150,8 @@ def describe_event(m: dict[str, Any]) -> str:
 
 
 class ProgressBar:
-    """`with ProgressBar(total) as bar: trainer = TorchTrainer(..., callbacks=[bar.callback])`.
+    """`with ProgressBar(total) as bar: TorchTrainer(..., train_loop_config={"progress": bar.channel},
+    run_config=RunConfig(callbacks=[bar.callback]))`.
 
     With enabled=False there is no bar, but the warnings still reach the console."""
 
@@ -148,27 +168,30 @@ class ProgressBar:
         self._reports = _queues.take()
         self._token = uuid.uuid4().hex
         self.callback = RunForwarder(self._reports, self._token)
+        self.channel = ProgressChannel(self._reports, self._token)
         self._bar = tqdm(total=self.total, desc=self.desc, unit="step", disable=not self.enabled)
         # log lines (raylib's "training ...", the warnings below) print above the bar, not into it
         self._redirect = logging_redirect_tqdm(tqdm_class=tqdm) if self.enabled else contextlib.nullcontext()
         self._redirect.__enter__()
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drain, daemon=True, name="raylib-progress")
         self._thread.start()
         return self
 
     def _drain(self) -> None:
+        # One blocking get at a time (the queue actor wakes it when an event arrives): an idle
+        # queue costs one call per DRAIN_WAIT_S, not a poll per fraction of a second.
         while True:
             try:
-                m = self._reports.get(timeout=0.5)
+                m = self._reports.get(timeout=DRAIN_WAIT_S)
             except (Empty, std_queue.Empty):
-                if self._stop.is_set():
-                    return  # everything sent before the run ended has been shown
                 continue
             except Exception:  # the queue actor is gone: the run is over
                 return
-            if m.pop("run_token", self._token) == self._token:  # not a late event of an earlier run
-                self.show(m)
+            if m.pop("run_token", self._token) != self._token:  # a late event of an earlier run
+                continue
+            if m.get("event") == _SETTLED:
+                return  # everything sent before the run ended has been shown
+            self.show(m)
 
     def show(self, m: dict[str, Any]) -> None:
         """Apply one forwarded event: a report moves the bar, a placement group is noted, anything
@@ -186,7 +209,10 @@ class ProgressBar:
 
     def settle(self) -> None:
         """Wait until every event already on the queue has been applied (the run is over)."""
-        self._stop.set()
+        if not self._thread.is_alive():
+            return
+        with contextlib.suppress(Exception):  # the queue is FIFO: this one comes after them all
+            self._reports.put({"event": _SETTLED, "run_token": self._token}, timeout=5)
         self._thread.join(timeout=5)
 
     def __exit__(self, *exc) -> None:

@@ -9,10 +9,13 @@ cannot help), any other failure is raised for Tune to retry.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from raylib.summary import WARMUP_STEPS
+
+TRIAL_REPORT_POLL_S = 0.25  # Ray Train's controller poll in a trial (Ray: 2 s)
 
 
 def trial_spec(base: dict[str, Any], config: dict[str, Any], global_batch: int, trial_id: str,
@@ -47,6 +50,7 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], global_batch: int, s
               tune: dict[str, Any], out_dir: str) -> None:
     """Tune's function trainable (base, tune, ...: bound with tune.with_parameters)."""
     from ray import tune as ray_tune
+    from ray.train.v2._internal.constants import HEALTH_CHECK_INTERVAL_S_ENV_VAR
 
     from raylib.train.trainer import run
     from raylib.tune.probe import ProbeSettings, TrialProbe
@@ -60,8 +64,11 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], global_batch: int, s
                           world_size=spec.world_size, trial_id=trial_id, price_per_device_hour=price,
                           crash_at_step=tune["inject_crash_at_step"],
                           crash_marker=str(Path(out_dir) / "crash-injected"))
+    # ASHA compares the trials at every report (tune.report_every steps): the trial reports each
+    # one, and its controller collects them at least this often, so the steps seldom wait
+    os.environ.setdefault(HEALTH_CHECK_INTERVAL_S_ENV_VAR, str(TRIAL_REPORT_POLL_S))
     try:
-        result = run(spec, progress=False, callbacks=[TrialProbe(probe)])
+        result = run(spec, progress=False, callbacks=[TrialProbe(probe)], report_every_log=True)
     except Exception as e:
         if not is_out_of_memory(e):
             raise

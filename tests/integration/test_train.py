@@ -257,3 +257,46 @@ def test_a_run_inside_a_ray_worker_keeps_rays_placement_group_cleaner(ray_local)
 
     assert _a_driver_runs_this()
     assert ray.get(ray.remote(num_cpus=0)(_a_driver_runs_this).remote()) is False
+
+
+def _report_log(path):
+    """A controller callback (pickled by value) that appends the step of each report Ray Train's
+    controller collects to `path`."""
+    from ray.train.v2._internal.execution.callback import ReportCallback
+
+    class ReportLog(ReportCallback):
+        def after_report(self, training_report, metrics):
+            with open(path, "a") as f:
+                f.write(f"{metrics[0]['step']}\n")
+
+    return ReportLog()
+
+
+def test_progress_reaches_the_driver_every_log_step_while_ray_train_reports_wait_for_no_poll(
+        tiny_dataset, tmp_path, ray_local, monkeypatch):
+    """Ray Train's controller takes one report per worker per poll (2 s): the loop reports to it at
+    most once per REPORT_SPACING_POLLS polls and at the last step, while every log_every step's
+    progress reaches the driver's bar through raylib's own queue."""
+    from raylib.train import trainer
+    from raylib.train.progress import ProgressBar
+
+    shown: list[int] = []
+    original = ProgressBar.show
+
+    def show(self, m):  # the driver's bar, recording what reached it
+        if m.get("event", "report") == "report":
+            shown.append(m["step"])
+        original(self, m)
+
+    monkeypatch.setattr(ProgressBar, "show", show)
+    steps, reports = 30, tmp_path / "reports"
+    spec = tiny_spec(tiny_dataset, tmp_path, name="cadence", run={"steps": steps, "log_every": 1})
+    summary = run(spec, progress=False, callbacks=[_report_log(reports)]).summary
+    reported = [int(s) for s in reports.read_text().split()]
+    assert shown == list(range(1, steps + 1))  # every step's progress, in order
+    assert reported[-1] == steps
+    interval = trainer.REPORT_SPACING_POLLS * trainer.report_poll_s()
+    loop_s = summary["utilisation"]["breakdown_s"]["loop_s"]  # rank 0's training loop, wall time
+    # at most one per interval of the loop's time and the last step's, not one per log_every step
+    assert len(reported) <= loop_s / interval + 2, (reported, loop_s, interval)
+    assert len(reported) < steps // 2, reported

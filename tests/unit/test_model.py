@@ -25,7 +25,7 @@ BERT = {
 # published parameter counts (millions) of the real sizes, at their own vocabularies
 PUBLISHED_M = {("bert-base", 30522): 110, ("bert-large", 30522): 335, ("gpt2", 50257): 124,
                ("gpt2-medium", 50257): 355, ("gpt2-large", 50257): 774, ("gpt2-xl", 50257): 1558,
-               ("llama-1b", 32000): 1100, ("llama-7b", 32000): 6738}
+               ("llama-135m", 49152): 135, ("llama-1b", 32000): 1100, ("llama-7b", 32000): 6738}
 VOCAB = 600
 WORDPIECE = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 BPE = {"pad": 0, "sep": 1, "bos": 1, "eos": 1}

@@ -19,6 +19,11 @@ ds_ops.use_this_pythons_ninja()
 # a node's metrics endpoint would wait most of that for each figure. Every cluster the suite starts
 # inherits this (the `ray start` heads of tests/integration/ray_head.py scrub RAY_* variables).
 os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
+# Ray Train's controller polls its workers every 2 s (raylib keeps Ray's default: each poll costs
+# the training processes CPU). A run's start and end each wait for polls (its final reports, its
+# finished workers): about 10 s per run at 2 s, where the suite's runs train for seconds. The
+# report cadence follows the poll (raylib.train.trainer.report_poll_s), so the tests cover it.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 
 pytest_plugins = ["tests.s3_fixture"]  # a SeaweedFS S3 server per test session, on free ports
 

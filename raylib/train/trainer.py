@@ -26,6 +26,8 @@ STARTUP_FAILURE_LIMIT = 2
 # next poll. The loop reports at most once per this many polls (progress reaches the console
 # through raylib's own queue meanwhile), so no report waits. A faster poll costs the training
 # processes CPU (each poll is a call into every worker): measured 1.5-3% of a small model's steps.
+# Ray's 2 s costs a run's wall time instead: its start and end wait for polls (about 10 s per run on
+# this 2-core machine: nothing for a long job; the test suite polls at 0.25 s).
 REPORT_SPACING_POLLS = 1.5
 IO_BOUND_WAIT = 0.5  # a run whose loop waits on data this share of its time is io-bound (co-location)
 PREEMPTION_LIMIT = 10  # node preemptions (spot reclaims) a run rides out; Ray's default: no limit

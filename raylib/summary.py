@@ -149,6 +149,7 @@ def summarize(spec, history: RunHistory, index, ds_config: dict[str, Any],
         "device_share": history.device_share,  # per fit: first step, steps, workers, global batch
         "pipeline": history.pipeline,  # pp > 1: the bubble measured per stage and by the formula
         "peak_memory_bytes": history.peak_memory_bytes,
+        "host_allocator": history.host_allocator,  # per rank, as its process really ran
         "param_elements_per_rank": history.param_elements,
         "shard_digests": history.shard_digests,
         "kernels": history.kernels,  # strategy.kernels: which path each op ran

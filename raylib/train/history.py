@@ -37,6 +37,8 @@ class RunHistory:
     preemptions: int = 0
     peak_memory_bytes: list[int] | None = None
     """Per rank: peak GPU memory allocated, or on CPU the worker process's peak RSS."""
+    host_allocator: list[str] | None = None
+    """Per rank: the malloc its process really runs with (scaling.host_allocator): jemalloc | system."""
     param_elements: list[int] | None = None
     """Per rank: parameter elements it holds (a ZeRO-3 partition, tensor-parallel shards)."""
     shard_digests: list[str] | None = None

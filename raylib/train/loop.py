@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from raylib.train import checkpointing, device_share, ds_ops, grad_reduction
+from raylib.train import allocator, checkpointing, device_share, ds_ops, grad_reduction
 from raylib.train.history import RunHistory
 from raylib.train.progress import worker_logs
 from raylib.train.utilisation import StepParts, Utilisation
@@ -237,7 +237,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
             torch.save(probed, os.path.join(config["run_dir"], "verify", "probe.pt"))
     dist.all_gather_object(ranks, (digest, node, data_brief, _peak_memory(on_gpu), _own_elements(engine),
                                   shard, reduction.metrics(), parts.to_dict(loop_s), rank_telemetry,
-                                  clock.to_dict() if clock else None))
+                                  clock.to_dict() if clock else None, allocator.active()))
     if rank != 0:
         return None
     return RunHistory(
@@ -248,7 +248,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         data_ranks=[r[2] for r in ranks] if data_metrics else None,
         data_timeline=data_metrics["timeline"] if data_metrics else None,
         checkpoint=checkpointer.metrics(), preempted=preempted, evals=evals,
-        peak_memory_bytes=[r[3] for r in ranks], param_elements=[r[4] for r in ranks],
+        peak_memory_bytes=[r[3] for r in ranks], host_allocator=[r[10] for r in ranks],
+        param_elements=[r[4] for r in ranks],
         shard_digests=[r[5] for r in ranks] if verify and layout.tp > 1 else None, peft=peft,
         kernels=kernels, communication=_communication([r[6] for r in ranks]),
         breakdown=[r[7] for r in ranks], telemetry=[r[8] for r in ranks],

@@ -14,6 +14,7 @@ from typing import Any
 
 from raylib.spec import JobSpec
 from raylib.summary import RunResult, summarize
+from raylib.train import allocator
 from raylib.train.history import RunHistory
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
         log.warning("run.eval_every=%d but the dataset at %s has no validation split: no evaluation "
                     "(give its manifest a `validation:` and rebuild with --force)",
                     spec.run.eval_every, spec.data.path)
+    allocator.check(spec.scaling.host_allocator)
     ds_config = resolve_ds_config(spec)  # the one resolution (CPU shape; GPU adjusts the optimizer)
     _check_data_fits(spec, index, ds_config["train_micro_batch_size_per_gpu"])
     user_spec, spec = spec, with_reader_tiers(spec, index)  # the workers run the second
@@ -101,6 +103,8 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     if on_gpu:
         ds_config = resolve_ds_config(spec, on_gpu=True)
     _check_capacity(spec, resources, on_gpu)
+    host_allocator = allocator.resolve(spec.scaling.host_allocator, on_gpu)
+    worker_env = _worker_env(extra=allocator.worker_env(host_allocator))
 
     run_dir = spec.run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -155,7 +159,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
                         # ray.train's INFO lines (one per report per rank) stay in Ray's log files
                         logging_config=ray.train.LoggingConfig(log_level="WARNING"),
                         callbacks=[bar.callback, *(callbacks or [])],
-                        worker_runtime_env=_worker_env(),
+                        worker_runtime_env=worker_env,
                     ),
                     # with tiers every rank reads its planned shards itself (data.pipeline)
                     datasets=None if spec.data.tiers else {"train": training_dataset(spec, index)},
@@ -191,6 +195,10 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
             log.warning("run %r stopped at step %d (%s; checkpointed); waiting for its gang again",
                         spec.name, part.end_step, why)
     history = RunHistory.merge(parts)
+    if host_allocator not in set(history.host_allocator or [host_allocator]):
+        log.warning("run %r: its workers ran with the %s allocator, not %s (scaling.host_allocator): "
+                    "a node's Ray is not where this driver's is (%s)", spec.name,
+                    "/".join(sorted(set(history.host_allocator))), host_allocator, allocator.jemalloc_path())
     checkpoint_uri = result.checkpoint.path if result.checkpoint else None
     return summarize(spec, history, index, ds_config, checkpoint_uri,
                      wall_s=time.perf_counter() - wall0, run_dir=run_dir)
@@ -267,8 +275,9 @@ _STORAGE_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN
                 "RAYLIB_FAKE_NVML")  # tests: the scripted NVML stand-in (raylib.testing.fake_nvml)
 
 
-def _worker_env(names: tuple[str, ...] = _STORAGE_ENV) -> dict[str, Any] | None:
-    env = {k: os.environ[k] for k in names if os.environ.get(k)}
+def _worker_env(names: tuple[str, ...] = _STORAGE_ENV, extra: dict[str, str] | None = None
+                ) -> dict[str, Any] | None:
+    env = {**{k: os.environ[k] for k in names if os.environ.get(k)}, **(extra or {})}
     return {"env_vars": env} if env else None
 
 

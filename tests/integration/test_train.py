@@ -51,14 +51,19 @@ def test_zero_stages_train_and_agree(stage, tiny_dataset, tmp_path, ray_local):
     data = {"tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "64KB"}]} \
         if stage == 3 else {"reader": "ray_data"}
     kernels = "fused" if stage == 3 else "eager"
+    allocator = "system" if stage == 3 else "auto"
     spec = tiny_spec(tiny_dataset, tmp_path, name=f"zero{stage}",
-                     strategy={"zero_stage": stage, "kernels": kernels}, data=data)
+                     strategy={"zero_stage": stage, "kernels": kernels}, data=data,
+                     scaling={"host_allocator": allocator})
     probe = tmp_path / "controller-imported-torch"
     result = run(spec, progress=False, callbacks=[_controller_torch_probe(probe)])
     s = result.summary
     # The controller set up and shut down the workers' process group without importing torch
     # (raylib.train.backend; Ray's TorchConfig imports it: a second of a core per run)
     assert probe.read_text() == "False"
+    # CPU workers run with Ray's jemalloc by default (their mapped libraries say so), and without it
+    # when asked (raylib.train.allocator)
+    assert s["host_allocator"] == ["jemalloc" if allocator == "auto" else "system"] * 2
 
     assert s["steps"] == 8 and s["start_step"] == 0 and s["world_size"] == 2
     assert s["zero_stage"] == stage

@@ -28,13 +28,16 @@ raylib.train.strategy.resolve_ds_config and given as a file; checked against the
 of the raylib runs), the same torch threads (scaling.cpus_per_worker) and the same step timing;
 the batches a plain script makes (causal_lm: labels = input_ids, attention and position ids
 across the documents of a packed row; raylib isolates documents, see raylib/tasks/lm.py).
+It runs twice: as a user runs it (glibc's malloc: the target's denominator), and as bare_jemalloc
+with the jemalloc preload raylib gives its CPU workers by default (scaling.host_allocator,
+raylib.train.allocator): like for like, what the wrapper itself costs.
 
 Where the time and memory go, measured alongside: every run's CPU while its ranks train (from
 /proc every 2 s: the cores the training processes got and the cores everything else the run
 started took: Ray's daemons and actors and the driver, or torchrun's agent), and the RSS of a fresh
 plain Python process vs a fresh Ray worker process as each imports what a rank imports.
 
-Each round runs every family's two variants; the order of the families and of the two variants
+Each round runs every family's three variants; the order of the families and of the variants
 rotates from round to round so that machine noise and start-up order hit both alike (use --rounds
 3 or more). Figures are medians over rounds. Prints JSON on stdout (nothing else): "targets"
 (tokens_per_s_ratio_<family>: raylib / bare tokens/s, >= 0.97), then per family the side-by-side
@@ -67,7 +70,9 @@ FAMILIES = {  # family -> (task, dataset manifest, where it is built, default pr
     "gpt2": ("causal_lm", "datasets/ecommerce-gpt.yaml", ".raylib/data/ecommerce-gpt", "gpt2-mini"),
     "llama": ("causal_lm", "datasets/ecommerce-gpt.yaml", ".raylib/data/ecommerce-gpt", "llama-mini"),
 }
-VARIANTS = ("raylib", "bare")
+# bare: as a user runs it (glibc malloc); bare_jemalloc: the same with the allocator raylib gives its
+# CPU workers by default (raylib.train.allocator), so the wrapper's own cost shows alone
+VARIANTS = ("raylib", "bare", "bare_jemalloc")
 MiB = 2**20
 
 
@@ -247,12 +252,14 @@ class Family:
                 "evaluated": s["eval"] is not None, "wall_s": s["wall_s"], "process_wall_s": wall,
                 "cpu_while_training": cpu}
 
-    def run_bare(self, r: int) -> dict:
-        name = f"{self.family}-bare{r}"
+    def run_bare(self, r: int, allocator: str = "system") -> dict:
+        from raylib.train.allocator import worker_env
+
+        name = f"{self.family}-bare-{allocator}{r}"
         out = self.tmp / f"{name}.json"
         out.unlink(missing_ok=True)
         env = {**os.environ, "DS_ACCELERATOR": "cpu",
-               "OMP_NUM_THREADS": str(int(self.spec.scaling.cpus_per_worker))}
+               "OMP_NUM_THREADS": str(int(self.spec.scaling.cpus_per_worker)), **worker_env(allocator)}
         env.pop("PYTHONPATH", None)  # nothing of raylib's on its path (it imports none of it anyway)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={self.spec.world_size}", str(REPO / "bench/bare_families.py"),
@@ -393,7 +400,8 @@ def main() -> None:
                 # the variants' order alternates over rounds and, within a round, over families
                 variants = VARIANTS if (r + i) % 2 == 0 else VARIANTS[::-1]
                 for v in variants:
-                    result = jobs[f].run_raylib(r) if v == "raylib" else jobs[f].run_bare(r)
+                    result = jobs[f].run_raylib(r) if v == "raylib" else \
+                        jobs[f].run_bare(r, "jemalloc" if v == "bare_jemalloc" else "system")
                     rounds[f][v].append(result)
                 print(f"round {r} {f}: " + ", ".join(
                     f"{v} {rounds[f][v][-1]['tokens_per_s']:.0f} tokens/s "
@@ -420,6 +428,7 @@ def main() -> None:
                 "parameters": job.parameters, "model_config": job.model_fields,
                 "tokens_per_s": tps,
                 "tokens_per_s_ratio": tps["raylib"] / tps["bare"],
+                "tokens_per_s_ratio_vs_bare_jemalloc": tps["raylib"] / tps["bare_jemalloc"],
                 "step_time_s": {v: med(v, "step_time_s") for v in VARIANTS},
                 "step_time_ratio_bare_over_raylib": med("bare", "step_time_s") / med("raylib", "step_time_s"),
                 "peak_memory_mib_per_rank": mem,
@@ -432,9 +441,12 @@ def main() -> None:
             }
             targets[f"tokens_per_s_ratio_{f}"] = {
                 "value": tps["raylib"] / tps["bare"], "target": ">= 0.97",
+                "value_vs_bare_jemalloc": tps["raylib"] / tps["bare_jemalloc"],
                 "what": f"{args.presets[f]} ({job.spec.task.type}): raylib tokens/s / bare DeepSpeed "
                         "+ torchrun tokens/s, same model, data, DeepSpeed config and world size "
-                        f"(median of {args.rounds} rounds)"}
+                        f"(median of {args.rounds} rounds); raylib at its defaults (CPU workers: "
+                        "jemalloc), bare as a user runs it (glibc malloc); value_vs_bare_jemalloc: "
+                        "against bare with the same jemalloc preload (the wrapper's own cost)"}
         print(json.dumps({
             "benchmark": "models",
             "targets": targets,

@@ -79,6 +79,10 @@ DATA = REPO / ".raylib/data/finance-sentiment"
 MANIFEST = REPO / "datasets/finance-sentiment.yaml"
 RESULTS = REPO / "bench/results/peft.json"
 METHODS = ("full", "lora", "ia3", "p_tuning")
+# part 1 also runs full and LoRA with glibc's malloc (scaling.host_allocator: system), for reference:
+# raylib's CPU workers run with jemalloc by default (raylib.train.allocator)
+SYSTEM_MALLOC = ("full@system", "lora@system")
+COST_VARIANTS = (*METHODS, *SYSTEM_MALLOC)
 # part 2 also runs LoRA as jobs/configs/finance/sentiment_lora.yaml configures it (every linear layer)
 LORA_ALL_LINEAR = {"method": "lora", "target_modules": ["query", "key", "value", "dense"]}
 ACC_VARIANTS = (*METHODS, "lora_all_linear")
@@ -99,8 +103,9 @@ def peft_section(method: str) -> dict | None:
     return None if method == "full" else {"method": method}
 
 
-def cost_spec(args, out: str, name: str, method: str, preset: str | None = None,
+def cost_spec(args, out: str, name: str, variant: str, preset: str | None = None,
               steps: int | None = None) -> dict:
+    method, _, allocator = variant.partition("@")
     return {
         "name": name,
         "model": {"preset": preset or args.preset},
@@ -108,7 +113,7 @@ def cost_spec(args, out: str, name: str, method: str, preset: str | None = None,
         "peft": peft_section(method),
         "data": {"path": str(DATA), "manifest": str(MANIFEST)},
         "strategy": {"zero_stage": 2, "micro_batch_size": args.micro_batch, "precision": "fp32"},
-        "scaling": {"num_workers": args.workers},
+        "scaling": {"num_workers": args.workers, "host_allocator": allocator or "auto"},
         "checkpoint": {"at_end": False},
         "run": {"steps": steps or args.steps, "output_dir": out, "eval_batches": 2},
     }
@@ -149,6 +154,7 @@ def run(spec: dict) -> dict:
         "modules_to_save": peft.get("modules_to_save"),
         "peak_memory_bytes": max(s["peak_memory_bytes"]),
         "peak_memory_bytes_per_rank": s["peak_memory_bytes"],
+        "host_allocator": s["host_allocator"],
         "step_time_s": s["step_time_s"],
         # the mean step after the warm-up steps (what samples_per_s is computed from)
         "step_time_mean_after_warmup_s": s["global_batch_size"] / s["samples_per_s"],
@@ -202,14 +208,14 @@ def part_cost(args, tmp: str) -> dict:
 
     with contextlib.redirect_stdout(sys.stderr):
         build(DatasetManifest.load(MANIFEST), str(DATA), progress=False)
-    per_round: dict[str, list[dict]] = {m: [] for m in METHODS}
+    per_round: dict[str, list[dict]] = {m: [] for m in COST_VARIANTS}
     baseline: list[dict] = []
     for r in range(args.rounds):
-        order = METHODS if r % 2 == 0 else METHODS[::-1]  # alternating: no method always first
+        order = COST_VARIANTS if r % 2 == 0 else COST_VARIANTS[::-1]  # alternating: none always first
         for method in order:
-            res = run(cost_spec(args, tmp, f"cost-{method}-{r}", method))
+            res = run(cost_spec(args, tmp, f"cost-{method.replace('@', '-')}-{r}", method))
             per_round[method].append(res)
-            log(f"cost round {r}: {method:9} {res['step_time_s']:.3f} s/step, peak "
+            log(f"cost round {r}: {method:11} {res['step_time_s']:.3f} s/step, peak "
                 f"{res['peak_memory_bytes'] / MiB:.0f} MiB, trainable {100 * res['trainable_fraction']:.3f}% "
                 f"({res['wall_s']:.0f} s)")
         if r < args.baseline_rounds:
@@ -234,19 +240,21 @@ def part_cost(args, tmp: str) -> dict:
         return parameter_count(cost_spec(args, tmp, "count", "full"), str(DATA),
                                under=tuple(per_round[method][0]["modules_to_save"]))
     rows = []
-    full_peak, full_step = med("full", "peak_memory_bytes"), med("full", "step_time_s")
-    full_mean = med("full", "step_time_mean_after_warmup_s")
-    for method in METHODS:
+    for method in COST_VARIANTS:
+        full = "full@system" if method.endswith("@system") else "full"  # against full with the same malloc
+        full_peak, full_step = med(full, "peak_memory_bytes"), med(full, "step_time_s")
+        full_mean = med(full, "step_time_mean_after_warmup_s")
         first = per_round[method][0]
         peak, step = med(method, "peak_memory_bytes"), med(method, "step_time_s")
         rows.append({
             "part": "cost", "model": f"{args.preset} (from its config)", "method": method,
+            "host_allocator": "/".join(sorted(set(first["host_allocator"]))),
             "trainable_parameters": first["trainable_parameters"] or full_params,
             "total_parameters": first["total_parameters"] or full_params,
             "trainable_fraction": first["trainable_fraction"],
             "target_modules": first["target_modules"], "modules_to_save": first["modules_to_save"],
-            "head_parameters_trained_in_full": None if method == "full" else head(method),
-            "trainable_fraction_without_head": None if method == "full"
+            "head_parameters_trained_in_full": None if method.startswith("full") else head(method),
+            "trainable_fraction_without_head": None if method.startswith("full")
             else (first["trainable_parameters"] - head(method)) / first["total_parameters"],
             "optimizer_state_bytes": first["optimizer_state_bytes"] or full_state,
             "peak_memory_bytes": peak,
@@ -368,6 +376,7 @@ def targets(cost: dict | None, acc: dict | None) -> dict:
     t: dict = {}
     if cost:
         lora = next(r for r in cost["rows"] if r["method"] == "lora")
+        glibc = next((r for r in cost["rows"] if r["method"] == "lora@system"), None)
         preset = lora["model"].split()[0]
         t["lora_trainable_fraction"] = {
             "value": lora["trainable_fraction"], "target": "<= 0.01",
@@ -379,7 +388,10 @@ def targets(cost: dict | None, acc: dict | None) -> dict:
         t["lora_peak_memory_ratio"] = {
             "value": lora["peak_memory_ratio_vs_full"], "target": "<= 0.6",
             "value_above_baseline": lora["peak_memory_ratio_vs_full_above_baseline"],
-            "what": f"LoRA / full peak memory per rank (max over ranks, median over rounds), {preset}. "
+            "value_system_allocator": glibc["peak_memory_ratio_vs_full"] if glibc else None,
+            "what": f"LoRA / full peak memory per rank (max over ranks, median over rounds), {preset}, "
+                    f"at the defaults (CPU workers: {lora['host_allocator']}); value_system_allocator: "
+                    "both with glibc's malloc (scaling.host_allocator: system). "
                     "On CPU this is the worker process's peak RSS, which includes the Python/torch/"
                     "DeepSpeed/Ray runtime and data pipeline (PEFT does not shrink it); "
                     "value_above_baseline subtracts a measured baseline (bert-tiny full fine-tuning, "
@@ -388,6 +400,7 @@ def targets(cost: dict | None, acc: dict | None) -> dict:
         t["lora_step_time_ratio"] = {
             "value": lora["step_time_ratio_vs_full"], "target": "<= 0.8",
             "value_mean_after_warmup": lora["step_time_mean_ratio_vs_full"],
+            "value_system_allocator": glibc["step_time_ratio_vs_full"] if glibc else None,
             "what": f"LoRA / full step time, {preset} (summary step_time_s: median step; median over "
                     "rounds); value_mean_after_warmup: the same with the mean step after the warm-up"}
     if acc:
@@ -494,7 +507,8 @@ def main() -> None:
                 "data": "datasets/finance-sentiment.yaml (seq_len 64, its own WordPiece vocabulary 1200)",
                 "micro_batch_size": args.micro_batch, "world_size": args.workers, "steps": args.steps,
                 "warmup_steps": WARMUP_STEPS, "rounds": args.rounds,
-                "order": "alternating (round 0 full, lora, ia3, p_tuning; round 1 reversed)",
+                "order": f"alternating (round 0 {', '.join(COST_VARIANTS)}; round 1 reversed); "
+                         "@system: scaling.host_allocator system (glibc malloc), the rest at the default",
                 "optimizer": "raylib default (adamw, its default lr)", "eval": "2 batches at the end",
                 "peak_memory": "on CPU: the rank's process peak RSS (ru_maxrss), max over ranks; includes "
                                "the Python/torch/DeepSpeed/Ray runtime and data pipeline, which PEFT does "

@@ -3,7 +3,7 @@ on a pretrained model.
 
     python bench/peft_methods.py                   # both parts: ~27 min on 2 CPUs (~23 once the
                                            # domain model of part 2 is kept, see below)
-    python bench/peft_methods.py --part cost       # ~13 min: --steps 14 --rounds 2 (--steps 10: ~10 min)
+    python bench/peft_methods.py --part cost       # ~9 min: --steps 14 --rounds 2
     python bench/peft_methods.py --part accuracy   # ~10-14 min (+4 the first time): --accuracy-steps 200
     python bench/peft_methods.py --preset bert-tiny --size tiny --steps 4 --accuracy-steps 20   # smoke test
 
@@ -27,6 +27,10 @@ the opposite order to the round before (--rounds 2 or more), so drift on a share
 alike; figures are medians over rounds. checkpoint.at_end is off and evaluation at the end is
 limited to 2 batches (run.eval_batches): the figures are the training loop's, not the end-of-run
 snapshot's or a full validation pass's.
+
+raylib's CPU workers run with jemalloc by default (scaling.host_allocator, raylib.train.allocator);
+full and LoRA also run with glibc's malloc (host_allocator: system; rows full@system, lora@system,
+compared with each other), which leaves freed activations fragmented and LoRA's peak 0.45 GB higher.
 
 The peak RSS of a CPU rank includes the Python/torch/DeepSpeed/Ray runtime and the data pipeline,
 which PEFT does not shrink. A baseline is measured the same way (a bert-tiny classifier with full

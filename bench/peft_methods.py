@@ -281,30 +281,37 @@ def part_cost(args, tmp: str) -> dict:
 
 # -- part 2 ----------------------------------------------------------------------------------------
 
-def prepare_domain(work: Path, size: str) -> tuple[str, float]:
-    """The domain BERT of jobs/finance.py (size `size`), without its sentiment stages, exported to
-    <work>/models/domain (kept: a later invocation reuses it unless --rebuild-domain)."""
+def prepare_domain(work: Path, size: str, continue_steps: int | None = None,
+                   corpus_size: str | None = None) -> tuple[str, float]:
+    """The domain BERT of jobs/finance.py (size `size`; continued pretraining for `continue_steps` on
+    a finance corpus of `corpus_size` where given), without its sentiment stages, exported to
+    <work>/models/domain[-steps-corpus] (kept: a later invocation reuses it unless --rebuild-domain)."""
     from jobs import finance
 
-    domain = work / "models" / "domain"
+    knobs = dict(finance.SIZES[size])
+    longer = continue_steps is not None or corpus_size is not None
+    knobs["continue"] = continue_steps or knobs["continue"]
+    knobs["corpus"] = corpus_size or knobs["corpus"]
+    domain = work / "models" / (f"domain-{knobs['continue']}-{knobs['corpus']}" if longer else "domain")
     if (domain / "config.json").is_file():
         log(f"accuracy: reusing the domain model in {domain} (--rebuild-domain to train it again)")
         return str(domain), 0.0
     t0 = time.perf_counter()
-    for stale in ("runs", "models"):  # a run directory that exists would be resumed, not started
-        shutil.rmtree(work / stale, ignore_errors=True)
-    knobs = finance.SIZES[size]
-    vocabulary = finance.general_vocabulary(work / "data" / "vocabulary")
-    general_data = finance._build(finance.DATASETS / "ecommerce.yaml", work / "data" / "general", vocabulary,
-                                  None)
-    with contextlib.redirect_stdout(sys.stderr):
-        result = finance._run(work, "general.yaml", general_data, knobs["general"], None, None, False,
-                              {"model.preset": knobs["preset"]})
-    log(f"accuracy: general model trained ({knobs['general']} steps, final loss "
-        f"{result.summary['final_loss']:.3f})")
-    general = str(finance._export(result.run_dir, work / "models" / "general"))
-    corpus = finance._build(finance.DATASETS / "finance.yaml", work / "data" / "finance", general,
-                            knobs["corpus"])
+    shutil.rmtree(work / "runs", ignore_errors=True)  # a run directory that exists would be resumed
+    general = work / "models" / "general"  # the same for every domain model of this size
+    if not (general / "config.json").is_file():
+        vocabulary = finance.general_vocabulary(work / "data" / "vocabulary")
+        general_data = finance._build(finance.DATASETS / "ecommerce.yaml", work / "data" / "general",
+                                      vocabulary, None)
+        with contextlib.redirect_stdout(sys.stderr):
+            result = finance._run(work, "general.yaml", general_data, knobs["general"], None, None, False,
+                                  {"model.preset": knobs["preset"]})
+        log(f"accuracy: general model trained ({knobs['general']} steps, final loss "
+            f"{result.summary['final_loss']:.3f})")
+        finance._export(result.run_dir, general)
+    general = str(general)
+    corpus = finance._build(finance.DATASETS / "finance.yaml", work / "data" / f"finance-{knobs['corpus']}",
+                            general, knobs["corpus"])
     with contextlib.redirect_stdout(sys.stderr):
         result = finance._run(work, "continue.yaml", corpus, knobs["continue"], general, None, False, {})
     log(f"accuracy: domain model trained ({knobs['continue']} steps, final loss "
@@ -324,7 +331,7 @@ def part_accuracy(args, tmp: str) -> dict:
     if args.domain:
         domain = str(Path(args.domain).resolve())
     else:
-        domain, prep_s = prepare_domain(work, args.size)
+        domain, prep_s = prepare_domain(work, args.size, args.continue_steps, args.corpus)
     labelled = finance.SIZES[args.size]["labelled"]
     data = finance._build(finance.DATASETS / "finance-sentiment.yaml", Path(tmp) / "finance-sentiment",
                           domain, labelled)
@@ -469,6 +476,10 @@ def main() -> None:
     ap.add_argument("--workdir", default=str(REPO / ".raylib/bench/peft"),
                     help="part 2: where the domain model is kept between invocations")
     ap.add_argument("--rebuild-domain", action="store_true", help="part 2: train the domain model again")
+    ap.add_argument("--continue-steps", type=int, help="part 2: continued-pretraining steps of the domain "
+                    "model (default: jobs/finance.py's for --size; another value keeps its own model)")
+    ap.add_argument("--corpus", help="part 2: raw text of the finance corpus for continued pretraining, "
+                    "e.g. 4MB (default: jobs/finance.py's for --size)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     args.out = str(Path(args.out).resolve())

@@ -17,7 +17,9 @@ every round). Each round runs the three in turn, in an order that rotates from r
 so that machine noise and start-up order hit all three alike (use --rounds 3 or more).
 
 Throughput: samples/s over the steps after the first WARMUP_STEPS (median over rounds), from each
-run's step times. Prints JSON on stdout (nothing else): "targets" (the figures issue 11 checks,
+run's step times. raylib's CPU workers run with jemalloc (scaling.host_allocator: auto); the bare
+script with glibc's malloc as a user runs it, or with the same preload (--bare-allocator jemalloc:
+the wrapper's own cost alone). Prints JSON on stdout (nothing else): "targets" (the figures issue 11 checks,
 each with its value, target and meaning), then the raw per-round figures.
 """
 
@@ -81,7 +83,9 @@ def run_bare(args, spec: JobSpec, workdir: Path) -> dict:
     out.unlink(missing_ok=True)
     shape = MODEL_PRESETS[args.model]
     opt = spec.strategy.optimizer
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    from raylib.train.allocator import worker_env
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **worker_env(args.bare_allocator)}
     env.pop("PYTHONPATH", None)  # nothing of raylib's on its path (it imports none of it anyway)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={spec.world_size}", str(REPO / "bench/bare_deepspeed.py"),
@@ -108,6 +112,9 @@ def run_bare(args, spec: JobSpec, workdir: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bare-allocator", choices=("system", "jemalloc"), default="system",
+                    help="the bare script's malloc: system (as a user runs it) or the jemalloc preload "
+                         "raylib gives its CPU workers by default (like for like)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--zero-stage", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
@@ -159,7 +166,7 @@ def main() -> None:
         },
         "model": args.model, "zero_stage": args.zero_stage, "world_size": args.workers,
         "micro_batch_size": args.micro_batch, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
-        "rounds": args.rounds,
+        "rounds": args.rounds, "bare_allocator": args.bare_allocator,
         "samples_per_s": sps,
         "step_time_s": {v: median(v, "step_time_s") for v in VARIANTS},
         "data_wait_fraction": {v: [x["data_wait_fraction"] for x in rounds[v]]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -107,7 +108,9 @@ def wrap(model, spec: JobSpec, family: str):
 
     config = peft_config(spec, model, family)
     try:
-        wrapped = peft.get_peft_model(model, config)
+        with warnings.catch_warnings():  # this peft asks transformers 5 a question it deprecated
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            wrapped = peft.get_peft_model(model, config)
     except ValueError as e:
         raise PeftError(f"peft: {e}") from None
     if spec.peft.method == "prefix_tuning" and spec.task.type in TASK_HEADS \

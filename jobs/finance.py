@@ -101,12 +101,12 @@ def run_pipeline(out: Path, size: str, base: str | None = None, address: str | N
         general_data = _build(DATASETS / "ecommerce.yaml", out / "data" / "general", vocabulary, None)
         run_dir = stage("general (e-commerce MLM)", "general.yaml", general_data, knobs["general"], None,
                         **{"model.preset": knobs["preset"]})
-        base = str(_export(run_dir, out / "models" / "general"))
+        base = str(_export(run_dir, out / "models" / "general", progress))
     corpus = _build(DATASETS / "finance.yaml", out / "data" / "finance", base, knobs["corpus"])
     sentiment = _build(DATASETS / "finance-sentiment.yaml", out / "data" / "finance-sentiment", base,
                        knobs["labelled"])
     run_dir = stage("continue (finance MLM)", "continue.yaml", corpus, knobs["continue"], base)
-    domain = str(_export(run_dir, out / "models" / "domain"))
+    domain = str(_export(run_dir, out / "models" / "domain", progress))
     stage("sentiment: LoRA on domain", "sentiment_lora.yaml", sentiment, knobs["finetune"], domain)
     stage("sentiment: full on domain", "sentiment_full.yaml", sentiment, knobs["finetune"], domain)
     if compare_general:
@@ -166,10 +166,10 @@ def _run(out: Path, config: str, data: str, steps: int, start: str | None, addre
     return raylib.run(spec, address=address, progress=progress)
 
 
-def _export(run_dir: Path, out: Path) -> Path:
+def _export(run_dir: Path, out: Path, progress: bool = False) -> Path:
     from raylib.export import export
 
-    return export(run_dir, out, force=True)
+    return export(run_dir, out, force=True, progress=progress)
 
 
 def _row(stage: str, start: str | None, summary: dict) -> dict:

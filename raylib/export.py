@@ -95,7 +95,7 @@ class Candidate:
 
 
 def export(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None,
-           force: bool = False, merge: bool = False) -> Path:
+           force: bool = False, merge: bool = False, progress: bool = True) -> Path:
     """Write the model trained by the run in `run_dir` (its newest complete checkpoint, or `step`)
     to `out_dir` in Hugging Face format, with its tokenizer; returns `out_dir`. `out_dir` must not
     exist or be empty unless `force` (then its contents are replaced, once the export succeeded).
@@ -103,7 +103,8 @@ def export(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | N
     A PEFT run (`peft:` in its spec) is exported as its adapter (peft's save_pretrained:
     adapter_config.json, adapter_model.safetensors) plus the frozen base it was trained on in
     `out_dir/base`, so plain `PeftModel.from_pretrained(AutoModelFor<Task>.from_pretrained(DIR/base),
-    DIR)` loads it; with `merge`, as the merged model (no peft needed to load it).
+    DIR)` loads it; with `merge`, as the merged model (no peft needed to load it). progress=False
+    silences transformers' bars while it writes.
     Raises ExportError (a ValueError) naming what is missing and the fix."""
     run_dir = Path(run_dir).expanduser().resolve()
     out = Path(out_dir).expanduser().resolve()
@@ -136,6 +137,9 @@ def export(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | N
 
     staging = out.parent / f".{out.name}.raylib-export-{secrets.token_hex(4)}"
     out.parent.mkdir(parents=True, exist_ok=True)
+    bars = contextlib.ExitStack()
+    if not progress:
+        bars.enter_context(_without_transformers_bars())
     try:
         model.eval()
         adapter = spec.peft is not None and not merge
@@ -171,9 +175,24 @@ def export(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | N
                 out.rmdir()  # empty (checked above)
         os.replace(staging, out)
     finally:
+        bars.close()
         shutil.rmtree(staging, ignore_errors=True)
     log.info("exported step %d of %s (%s) to %s", chosen.step, run_dir, chosen.where, out)
     return out
+
+
+@contextlib.contextmanager
+def _without_transformers_bars():
+    """transformers' progress bars off (save_pretrained's "Writing model shards"), then as they were."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -64,6 +64,7 @@ def test_export_round_trip_reproduces_the_engines_logits(name, tiny_dataset, tmp
         assert "AutoModelForCausalLM.from_pretrained" in said
     else:
         assert ex.export(run_dir, out) == out
+        assert "Writing model shards" in capsys.readouterr().err  # transformers' bar, by default
     about = json.loads((out / ex.PROVENANCE).read_text())
     assert about["step"] == 4
     assert about["source"] == ("ray-train" if "files" in name else "persisted")
@@ -92,7 +93,10 @@ def test_export_round_trip_reproduces_the_engines_logits(name, tiny_dataset, tmp
     # an earlier step of the same run, into the same directory
     with pytest.raises(ex.ExportError, match="not empty"):
         ex.export(run_dir, out, step=2)
-    ex.export(run_dir, out, step=2, force=True)
+    capsys.readouterr()
+    ex.export(run_dir, out, step=2, force=True, progress=False)
+    assert "Writing model shards" not in capsys.readouterr().err  # progress=False: a quiet console,
+    assert transformers.utils.logging.is_progress_bar_enabled()  # and transformers' bars as they were
     assert json.loads((out / ex.PROVENANCE).read_text())["step"] == 2
     earlier = auto.from_pretrained(out).eval()
     with torch.no_grad():

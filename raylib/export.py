@@ -489,7 +489,7 @@ def consolidate(chosen: Candidate, scratch: str, config=None) -> dict[str, Any]:
                           f"directory {chosen.tag!r}")
     names = os.listdir(tag_dir)
     if any(n.startswith("layer_") for n in names):  # pipeline stages: one file per layer
-        return _pipeline_layers(chosen, tag_dir, names, config)
+        return _pipeline_layers(chosen, tag_dir, names, config, scratch)
     if any(_TP_SHARD.search(n) for n in names):  # tensor parallel: the shards, merged by DeepSpeed
         return _merged_tensor_parallel(chosen, directory, scratch)
     if any(_ZERO_OPTIM.search(n) for n in names):  # ZeRO-1/2/3: the fp32 partitions, gathered
@@ -511,22 +511,29 @@ def consolidate(chosen: Candidate, scratch: str, config=None) -> dict[str, Any]:
     return {k: v.float() if v.is_floating_point() else v for k, v in state["module"].items()}
 
 
-def _pipeline_layers(chosen: Candidate, tag_dir: Path, names: list[str], config) -> dict[str, Any]:
-    """A pipeline checkpoint's weights: every stage's layer files (written by its first replica),
-    renamed to the HF model's parameters (raylib.train.pipeline.hf_state_dict)."""
+def _pipeline_layers(chosen: Candidate, tag_dir: Path, names: list[str], config,
+                     scratch: str) -> dict[str, Any]:
+    """A pipeline checkpoint's weights: every stage's layer files (written by its first replica;
+    with tensor parallelism, merged from every tp rank's), renamed to the HF model's parameters
+    (raylib.train.pipeline.hf_state_dict)."""
     import torch
 
     from raylib.train.pipeline import hf_state_dict
 
-    if any(n.startswith("layer_") and not _LAYER_FILE.match(n) for n in names):
-        raise ExportError(
-            f"step {chosen.step} of {chosen.where} was saved with tensor parallelism inside pipeline "
-            "stages: merging its tp shards layer by layer is not built; resume it at its layout and "
-            "save with tensor_parallel: 1, or train the model at pipeline_parallel: 1 to export it")
-    layers = {}
+    layers: dict[int, dict[str, Any]] = {}
+    sharded = any(n.startswith("layer_") and not _LAYER_FILE.match(n) for n in names)
+    if sharded:
+        # tensor parallelism inside the stages: each layer file is one tp rank's shard; DeepSpeed's
+        # universal conversion merges them by the AutoTP rules the run saved with its checkpoint
+        for name, value in _merged_tensor_parallel(chosen, tag_dir.parent, scratch).items():
+            head, _, key = name.partition(".")
+            if head == "tied_modules":  # tied_modules.embed.<key>: the first layer's module
+                layers.setdefault(0, {})[key.partition(".")[2]] = value
+            elif head.isdigit():
+                layers.setdefault(int(head), {})[key] = value
     for name in names:
         m = _LAYER_FILE.match(name)
-        if m:
+        if m and not sharded:
             state = torch.load(tag_dir / name, map_location="cpu", weights_only=False)
             layers[int(m.group(1))] = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     if config is None:

@@ -297,13 +297,6 @@ class ObjectStoreCheckpointer:
         files = [os.path.relpath(os.path.join(r, n), directory)
                  for r, _, names in os.walk(directory) for n in names]
         if every_rank and (saved_pp > 1 or self.pp > 1):
-            if saved_tp > 1 or self.tp > 1:
-                raise RuntimeError(
-                    f"step {step} was saved with pipeline_parallel={saved_pp} and tensor parallelism "
-                    f"(now pipeline_parallel={self.pp}, tensor_parallel={self.tp}, {self.world} workers): "
-                    "a layout change of tensor-parallel shards inside pipeline stages is not built "
-                    "(DeepSpeed's universal conversion would need AutoTP's merge rules per stage); "
-                    "resume with the saved layout")
             if not deepspeed_io.needs_universal(files):
                 raise RuntimeError(
                     f"step {step} was saved at ZeRO-0 with pipeline_parallel={saved_pp}: without "
@@ -312,8 +305,9 @@ class ObjectStoreCheckpointer:
                     "layout, or export it (`raylib export`) and start a new run from the model")
             from raylib.train.pipeline import rename_universal
 
-            log.warning("resuming step %d on another layout (pipeline_parallel %d -> %d, %d ranks now): "
-                        "converting to a DeepSpeed universal checkpoint", step, saved_pp, self.pp, self.world)
+            log.warning("resuming step %d on another layout (pipeline_parallel %d -> %d, tensor_parallel "
+                        "%d -> %d, %d ranks now): converting to a DeepSpeed universal checkpoint", step,
+                        saved_pp, self.pp, saved_tp, self.tp, self.world)
             deepspeed_io.load_universal(engine, directory, step,
                                         rename=lambda zero: rename_universal(zero, engine.module, saved_pp))
             return

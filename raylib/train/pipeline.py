@@ -88,6 +88,8 @@ def pipeline_module(model, spec: JobSpec, world: int):
                             loss_fn=_loss_fn(spec.task.type), partition_method="type:Block",
                             activation_checkpoint_interval=0)
     module.hf_config = model.config  # what its layers are, for renaming checkpoints across layouts
+    if s.tensor_parallel > 1:
+        _attach_universal_info(module)
     return module
 
 
@@ -118,6 +120,47 @@ def _shard_tensor_parallel(model, topo) -> None:
     engine_view = types.SimpleNamespace(autotp_size=lambda: tp, local_rank=-1,
                                         is_deepcompile_enabled=lambda: False, compile_autotp=lambda: False)
     DeepSpeedEngine._apply_autotp_partitioning(engine_view, model, config)
+
+
+def _attach_universal_info(module) -> None:
+    """DeepSpeed's AutoTP merge rules for this pipeline's checkpoints (collective: every rank calls).
+    The universal converter merges each parameter's tp shards by the rules (row- or column-parallel,
+    replicated, fused sub-parameters) that the engine saves from `module.<UNIVERSAL_CHECKPOINT_INFO>`
+    and reads back from the first stage's file only; so every stage's rules, under the stage-layer
+    names its optimizer saves, are gathered into one set that every stage saves. The tied
+    embedding's copy on the last stage is marked pipeline-replicated (the converter keeps the
+    first stage's)."""
+    import torch.distributed as dist
+    from deepspeed.checkpoint import constants as c
+    from deepspeed.module_inject.layers import collect_autotp_universal_checkpoint_info
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, collect_autotp_universal_checkpoint_info(module))
+    setattr(module, c.UNIVERSAL_CHECKPOINT_INFO, merge_universal_info(every))
+
+
+def merge_universal_info(infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """One UNIVERSAL_CHECKPOINT_INFO from the stages' own (each names only its parameters):
+    pattern lists united, sub-parameter specs and per-parameter maps gathered, the version and the
+    vocabulary size kept; the tied embedding's last-stage copy marked pipeline-replicated."""
+    from deepspeed.checkpoint import constants as c
+
+    merged: dict[str, Any] = {c.PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"^tied_modules\."]}
+    for info in infos:
+        for key, value in info.items():
+            if isinstance(value, list) and value and isinstance(value[0], dict):  # sub-param specs
+                merged.setdefault(key, []).extend(v for v in value if v not in merged.get(key, []))
+            elif isinstance(value, list):
+                merged[key] = sorted({*merged.get(key, []), *value})
+            elif key == c.AFFINE_MAP:
+                into = merged.setdefault(key, {c.AFFINE_MAP_VERSION: value[c.AFFINE_MAP_VERSION],
+                                               c.AFFINE_MAP_PARAMS: {}})
+                into[c.AFFINE_MAP_PARAMS].update(value[c.AFFINE_MAP_PARAMS])
+            elif isinstance(value, dict):
+                merged.setdefault(key, {}).update(value)
+            else:
+                merged.setdefault(key, value)  # the version, the vocabulary size: one for all
+    return merged
 
 
 def micro_batch(batch: dict[str, Any], task: str) -> tuple[tuple[Any, Any], Any]:

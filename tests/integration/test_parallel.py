@@ -2,9 +2,9 @@
 layers. A tp=2 run (DeepSpeed AutoTP), a pp=2 run (DeepSpeed's pipeline engine, 1F1B) and a
 tp=2 x pp=2 run (AutoTP inside the stages, GPipe) are checked by every test here (CI time is
 scarce), all against one one-rank reference on the same global batch (loss parity); the tp and
-tp x pp runs go through a SIGKILLed worker (resumed from their in-memory checkpoints). The tp and
-pp runs are exported whole and resumed at another layout through DeepSpeed's universal checkpoint
-(tp=2 -> 1, pp=2 -> 1). The gang-scheduled layouts: test_gang.py."""
+tp x pp runs go through a SIGKILLed worker (resumed from their in-memory checkpoints). The tp, pp
+and tp x pp runs are exported whole and resumed at another layout through DeepSpeed's universal
+checkpoint (tp=2 -> 1, pp=2 -> 1, tp=2 x pp=2 -> 1). The gang-scheduled layouts: test_gang.py."""
 
 from __future__ import annotations
 
@@ -174,9 +174,9 @@ def test_a_pipeline_stage_holds_its_blocks_only(runs):
     assert max(first, last) < 0.75 * whole
 
 
-def test_export_renames_the_pipeline_layers_into_one_hf_model(runs, tmp_path):
-    """The exported HF model computes the validation loss the pipeline computed at its last step
-    (the same micro-batches, counted the way the run's evaluator counts them)."""
+def exported_eval_loss(result, data: str, out) -> float:
+    """The validation loss of `result`'s run exported as one HF model, over the micro-batches the
+    run's evaluator used (counted the way it counts them)."""
     import torch
     import transformers
 
@@ -185,11 +185,9 @@ def test_export_renames_the_pipeline_layers_into_one_hf_model(runs, tmp_path):
     from raylib.tasks import task_for
     from raylib.train.evaluate import Evaluator
 
-    s = runs["pp2"].summary
-    out = ex.export(runs["pp2"].run_dir, tmp_path / "hf")
-    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert model.config.num_hidden_layers == 2  # both stages' blocks
-    spec, index = JobSpec.from_yaml(runs["pp2"].run_dir / "spec.yaml"), read_index(runs["data"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(ex.export(result.run_dir, out)).eval()
+    assert model.config.num_hidden_layers == 2 and model.config.num_attention_heads == 4  # whole
+    spec, index = JobSpec.from_yaml(result.run_dir / "spec.yaml"), read_index(data)
     task = task_for(spec, index)
     evaluator = Evaluator(task, index, {}, rank=0, world_size=1, micro_batch=4,
                           max_batches=spec.run.eval_batches, device="cpu")
@@ -198,7 +196,23 @@ def test_export_renames_the_pipeline_layers_into_one_hf_model(runs, tmp_path):
         for batch in evaluator.batches:
             o = model(**batch)
             counts = [a + b for a, b in zip(counts, task.eval_counts(o.logits, o.loss, batch), strict=True)]
-    assert close([task.eval_metrics(counts)["loss"]], [s["evals"][-1]["eval_loss"]]), (counts, s["evals"])
+    return task.eval_metrics(counts)["loss"]
+
+
+def test_export_renames_the_pipeline_layers_into_one_hf_model(runs, tmp_path):
+    """The exported HF model computes the validation loss the pipeline computed at its last step."""
+    s = runs["pp2"].summary
+    loss = exported_eval_loss(runs["pp2"], runs["data"], tmp_path / "hf")
+    assert close([loss], [s["evals"][-1]["eval_loss"]]), s["evals"]
+
+
+def test_export_merges_every_stages_tp_shards_into_one_hf_model(runs, tmp_path):
+    """tp=2 x pp=2: DeepSpeed's universal conversion merges each stage's tp shards by the AutoTP
+    rules every stage saved (raylib.train.pipeline.merge_universal_info), then the layers are
+    renamed; the whole model computes the pipeline's last validation loss."""
+    s = runs["tp2pp2"].summary
+    assert close([exported_eval_loss(runs["tp2pp2"], runs["data"], tmp_path / "hf")],
+                 [s["evals"][-1]["eval_loss"]]), s["evals"]
 
 
 def test_the_pp_checkpoint_resumes_without_stages(runs):
@@ -211,4 +225,15 @@ def test_the_pp_checkpoint_resumes_without_stages(runs):
     one = run(spec, progress=False).summary
     assert (one["start_step"], one["checkpoint"]["restored_step"]) == (STEPS, STEPS)
     assert one["parallelism"]["pp"] == 1 and one.get("pipeline") is None
+    assert close(one["loss_curve"], ref[STEPS:LONGER]), (one["loss_curve"], ref)
+
+
+def test_the_tp_x_pp_checkpoint_resumes_on_one_rank(runs):
+    """tp=2 x pp=2 on 4 workers -> one worker without tp or stages: the merged shards and Adam
+    moments continue the reference's curve. After the export test: this moves the run to step 8."""
+    ref = runs["reference"].summary["loss_curve"]
+    spec = tp_spec(runs["data"], runs["out"], "tp2pp2", tp=1, workers=1, steps=LONGER)
+    one = run(spec, progress=False).summary
+    assert (one["start_step"], one["checkpoint"]["restored_step"]) == (STEPS, STEPS)
+    assert one["parallelism"] == {"dp": 1, "tp": 1, "pp": 1}
     assert close(one["loss_curve"], ref[STEPS:LONGER]), (one["loss_curve"], ref)

@@ -279,3 +279,39 @@ def test_the_bubble_is_measured_over_the_replicas_span_not_each_stages_own():
     tpp = summary([clock((0.0, 10.0, 8.0)), clock((0.0, 10.0, 8.0)), clock((0.0, 9.0, 7.0)),
                    clock((0.0, 9.0, 7.0))], pp=2, micro_batches=4, tp=2)
     assert [r["bubble"] for r in tpp["per_rank"]] == pytest.approx([0.2, 0.2, 0.3, 0.3])
+
+
+def test_every_stages_tp_merge_rules_reach_the_checkpoint():
+    """DeepSpeed's universal converter reads the AutoTP merge rules from the first stage's file only;
+    each stage collects its own (under its layer names), so the merge must keep every stage's: a
+    row-parallel projection of stage 1 concatenated along the wrong dimension would resume wrong."""
+    from deepspeed.checkpoint import constants as c
+
+    from raylib.train.pipeline import merge_universal_info
+
+    def stage(layer: int, fused: bool = False) -> dict:
+        norm = rf"^{layer}\.block\.input_layernorm\.weight$"
+        info = {c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+                c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [rf"^{layer}\.block\.self_attn\.o_proj\.weight$"],
+                c.TP_REPLICATED_PARAMETER_PATTERNS: [norm],
+                c.PARAMETER_WITH_SUB_PARAMS: [{"patterns": [rf"^{layer}\.block\.qkv\.weight$"],
+                                               "shape": [3, -1], "partition_dim": 0}] if fused else [],
+                c.AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS: {},
+                c.AFFINE_MAP: {c.AFFINE_MAP_VERSION: 1,
+                               c.AFFINE_MAP_PARAMS: {norm: {"n": layer}}}}
+        return info
+
+    # two tp ranks per stage report the same rules; stage 1 also has a fused projection
+    merged = merge_universal_info([stage(1), stage(1), stage(2, fused=True), stage(2, fused=True)])
+    assert merged[c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] == [r"^1\.block\.self_attn\.o_proj\.weight$",
+                                                                 r"^2\.block\.self_attn\.o_proj\.weight$"]
+    assert len(merged[c.TP_REPLICATED_PARAMETER_PATTERNS]) == 2
+    assert merged[c.PARAMETER_WITH_SUB_PARAMS] == stage(2, fused=True)[c.PARAMETER_WITH_SUB_PARAMS]
+    assert set(merged[c.AFFINE_MAP][c.AFFINE_MAP_PARAMS]) == {r"^1\.block\.input_layernorm\.weight$",
+                                                              r"^2\.block\.input_layernorm\.weight$"}
+    assert merged[c.UNIVERSAL_CHECKPOINT_VERSION_KEY] == c.UNIVERSAL_CHECKPOINT_VERSION_VALUE
+    # the tied embedding's last-stage copy is not merged in twice
+    import re
+
+    (tied,) = merged[c.PIPELINE_REPLICATED_PARAMETER_PATTERNS]
+    assert re.match(tied, "tied_modules.embed.embeddings.wte.weight") and not re.match(tied, "1.block.x")

@@ -243,6 +243,51 @@ def test_deepspeed_run_placed_through_the_gang_scheduler_survives_a_preemption(
     ray.kill(gang)
 
 
+def test_a_pipeline_with_tp_inside_its_stages_trains_where_the_gang_scheduler_placed_it(
+        labelled_cluster, tiny_dataset, tmp_path):
+    """tp=2 x pp=2 (4 workers, bert-tiny, GPipe) reserved by the cluster-wide scheduler and trained
+    in that reservation: every rank runs on the node the plan gave it, each tp group (ranks 0-1,
+    2-3: stage 0's and stage 1's) on one node, and the stages pass activations (the summary's
+    pipeline clock saw both stages' forward and backward passes)."""
+    import math
+
+    import ray
+
+    from raylib import JobSpec
+    from raylib.placement.gang import scheduler
+    from raylib.train.trainer import run
+
+    spec = JobSpec.from_dict({
+        "name": "gang-pipeline",
+        "model": {"preset": "bert-tiny"},
+        "data": {"path": tiny_dataset, "manifest": None},
+        "strategy": {"zero_stage": 1, "tensor_parallel": 2, "pipeline_parallel": 2,
+                     "pipeline_schedule": "gpipe", "global_batch_size": 16, "micro_batch_size": 4},
+        "scaling": {"num_workers": 4, "use_gpu": False},
+        "placement": {"gang": True, "timeout_s": 300},
+        "run": {"steps": 4, "log_every": 2, "output_dir": str(tmp_path)},
+    })
+    gang = scheduler(resource="CPU")
+    try:
+        s = run(spec, progress=False).summary
+    finally:
+        ray.get(gang.shutdown.remote())  # leave no reservation behind for the next test
+        ray.kill(gang)
+    assert s["parallelism"] == {"dp": 1, "tp": 2, "pp": 2}
+    assert s["steps"] == 4 and all(math.isfinite(x) for x in s["loss_curve"])
+    assert s["planned_nodes"] and s["rank_nodes"] == s["planned_nodes"]
+    labelled = {n["NodeID"] for n in ray.nodes() if n["Labels"].get("leaf")}
+    assert set(s["planned_nodes"]) <= labelled
+    nodes = s["rank_nodes"]
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3], f"a tp group spans nodes: {nodes}"
+    pipe = s["pipeline"]
+    assert pipe["stages"] == 2 and pipe["schedule"].startswith("GPipe")
+    for rank in pipe["per_rank"]:
+        assert rank["instructions_s"]["ForwardPass"] > 0 and rank["instructions_s"]["BackwardPass"] > 0
+    assert {"SendActivation", "RecvGrad"} <= set(pipe["per_rank"][0]["instructions_s"])
+    assert {"RecvActivation", "SendGrad"} <= set(pipe["per_rank"][2]["instructions_s"])
+
+
 def wait_train_workers(n: int, deadline_s=300) -> None:
     """Until Ray Train's own placement group for the n workers exists (from the GCS: no
     dashboard, so never another cluster's state on a shared host)."""

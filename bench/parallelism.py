@@ -42,8 +42,10 @@ loss-parity reference pp1 x dp2 on 2 workers with the same micro-batches (a caus
 mean per micro-batch, so the split must match), and pp2 x dp1 on 2 workers (one core per stage, no
 oversubscription) for the bubble: raylib's summary measures, per stage, the share of the replica's
 pipeline span (from the start its stages share to the end of the last one's schedule) not spent in
-forward/backward passes (waiting for the neighbour, send/recv) and it is compared with
-(pp-1)/(m+pp-1); the same again on the GPipe schedule (its loss curve must equal 1F1B's). tp2 x pp2
+forward/backward passes (waiting for the neighbour, send/recv); the slowest stage's share (it sets
+the pace: its idle is the fill and drain) is compared with (pp-1)/(m+pp-1), and the mean over the
+stages (the faster stage also waits for the slower one every micro-batch) is reported beside it
+with the stage imbalance; the same again on the GPipe schedule (its loss curve must equal 1F1B's). tp2 x pp2
 x dp1 runs AutoTP inside the two stages (step time, memory per rank). Part 2 (bytes by group)
 covers dp and tp layouts only.
 
@@ -354,6 +356,9 @@ def main() -> None:
     ap.add_argument("--no-tp4", action="store_true", help="skip the tp4 x dp1 layout")
     ap.add_argument("--pp-micro-batches", type=int, default=4,
                     help="micro-batches per replica per step in the pipeline runs (m of the bubble)")
+    ap.add_argument("--bubble-sweep", default="2,8",
+                    help="other micro-batch counts m to measure the pp2 x dp1 bubble at (reported, not a "
+                         "target; the global batch stays, so the micro-batches shrink as m grows)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -407,6 +412,21 @@ def main() -> None:
                 f"{r['peak_memory_bytes'] / MiB:.0f} MiB, params/rank {r['param_elements_per_rank'][0]:,}, "
                 f"final loss {r['final_loss']:.4f} ({r['wall_s']:.0f} s)")
 
+        sweep = []
+        for m in [int(x) for x in args.bubble_sweep.split(",") if x.strip()]:
+            try:
+                micro = max(1, args.global_batch // m)
+                p = ray_run(args, tmp, f"bubble-m{m}", PP_BUBBLE[1], micro)["pipeline"]
+            except Exception as e:  # noqa: BLE001
+                failed[f"bubble m={m}"] = f"{type(e).__name__}: {e}"[:2000]
+                continue
+            sweep.append({"micro_batches": m, "micro_batch_size": micro,
+                          **{k: p[k] for k in ("bubble_formula", "bubble_measured", "idle_mean",
+                                               "stage_imbalance")},
+                          "bubble_off_vs_formula": abs(p["bubble_measured"] - p["bubble_formula"])
+                          / p["bubble_formula"]})
+            log(f"bubble m={m}: {p['bubble_measured']:.3f} vs formula {p['bubble_formula']:.3f}")
+
     dp_elems = runs["dp4_zero1"]["param_elements_per_rank"][0]
     dp_step = runs["dp4_zero1"]["step_time_s"]
     table = []
@@ -452,6 +472,8 @@ def main() -> None:
     bubble = (runs.get(PP_BUBBLE[0]) or {}).get("pipeline") or {}
     bubble_off = abs(bubble["bubble_measured"] - bubble["bubble_formula"]) / bubble["bubble_formula"] \
         if bubble else None
+    idle_off = abs(bubble["idle_mean"] - bubble["bubble_formula"]) / bubble["bubble_formula"] \
+        if bubble else None
     gpipe = (runs.get(PP_GPIPE[0]) or {}).get("pipeline") or {}
     gpipe_parity = max_rel_diff(runs[PP_GPIPE[0]]["loss_curve"], runs[PP_BUBBLE[0]]["loss_curve"]) \
         if PP_GPIPE[0] in runs and PP_BUBBLE[0] in runs else None
@@ -491,11 +513,17 @@ def main() -> None:
                 "value": bubble_off, "target": "<= 0.10",
                 "met": bubble_off is not None and bubble_off <= 0.10,
                 "what": "|measured - formula| / formula for pp2 x dp1 on 2 workers: measured "
-                        f"{bubble.get('bubble_measured')} on 1F1B (mean over the stages of the share of "
-                        "the replica's pipeline span outside their forward/backward passes: waiting, and "
-                        "the point-to-point transfers the formula leaves out) vs (pp-1)/(m+pp-1) = "
-                        f"{bubble.get('bubble_formula')} at m = {bubble.get('micro_batches')}; GPipe: "
-                        f"{gpipe.get('bubble_measured')}"},
+                        f"{bubble.get('bubble_measured')} on 1F1B (the idle share of the replica's pipeline "
+                        "span of its slowest stage, which sets the pace: fill, drain and the point-to-point "
+                        "transfers the formula leaves out) vs (pp-1)/(m+pp-1) = "
+                        f"{bubble.get('bubble_formula')} at m = {bubble.get('micro_batches')}; the mean idle "
+                        f"share over both stages is {bubble.get('idle_mean')}, the faster stage also waiting "
+                        f"for the slower one (stage imbalance {bubble.get('stage_imbalance')}: the last "
+                        f"stage carries the LM head); GPipe: {gpipe.get('bubble_measured')}"},
+            "pipeline_idle_mean_vs_formula": {
+                "value": idle_off, "target": "(reported)",
+                "what": "|mean idle share over the stages - formula| / formula: the bubble plus the stage "
+                        "imbalance, which a balanced split would remove and more micro-batches would not"},
             "gpipe_loss_parity_vs_1f1b_max_rel_diff": {
                 "value": gpipe_parity, "target": "<= 1e-5",
                 "met": gpipe_parity is not None and gpipe_parity <= 1e-5,
@@ -511,6 +539,7 @@ def main() -> None:
                         "workers) vs tp1 x dp2 (2 workers), same global batch and rows"},
         },
         "table": table,
+        "bubble_by_micro_batches": sweep,
         "communication": {
             "measured": comm, "expected": expected,
             "formulas": {

@@ -420,27 +420,37 @@ class StageClock:
 
 def summary(stages: list[dict[str, Any] | None], pp: int, micro_batches: int,
             schedule: str = "1f1b", tp: int = 1) -> dict[str, Any] | None:
-    """summary.json's `pipeline`: the bubble measured per rank (their mean) beside the formula.
-    `stages` are the ranks' clocks in rank order (a replica is pp x tp consecutive ranks); a rank's
-    bubble is 1 - its busy time / its replica's pipeline span, over the steps all of them kept."""
+    """summary.json's `pipeline`: the bubble measured beside the formula, and where the rest of the
+    idle time goes. `stages` are the ranks' clocks in rank order (a replica is pp x tp consecutive
+    ranks). A rank's `idle` is 1 - its busy time / its replica's pipeline span, over the steps all
+    of them kept. The formula is the idle share of every stage of a pipeline of equal stages; with
+    unequal ones the slowest stage sets the pace and its idle is the fill and drain (plus the
+    transfers), while a faster stage also waits for it every micro-batch. So `bubble_measured` is
+    the idle share of each replica's slowest rank (their mean over replicas), `idle_mean` the mean
+    over every rank (bubble + imbalance), and `stage_imbalance` 1 - the least busy rank's busy time /
+    the busiest's (the part a rebalanced split would win back, not more micro-batches)."""
     if not stages or not all(stages):
         return None
-    per_rank = []
+    per_rank, critical, imbalance = [], [], []
     for first in range(0, len(stages) - pp * tp + 1, pp * tp):
         replica = stages[first:first + pp * tp]
         n = min(len(s["windows"]) for s in replica)
-        spans = [max(s["windows"][-n + i][1] for s in replica) - min(s["windows"][-n + i][0] for s in replica)
-                 for i in range(n)] if n else []
-        for s in replica:
-            busy = sum(w[2] for w in s["windows"][-n:]) if n else 0.0
-            span = sum(spans)
-            per_rank.append({"steps": s["steps"], "span_s": span, "busy_s": busy,
-                             "bubble": max(0.0, 1.0 - busy / span) if span > 0 else None,
-                             "instructions_s": s["instructions_s"]})
-    bubbles = [r["bubble"] for r in per_rank if r["bubble"] is not None]
+        kept = [s["windows"][-n:] if n else [] for s in replica]  # the steps every rank kept
+        span = sum(max(w[i][1] for w in kept) - min(w[i][0] for w in kept) for i in range(n))
+        rows = [{"steps": s["steps"], "span_s": span, "busy_s": sum(x[2] for x in w),
+                 "instructions_s": s["instructions_s"]} for s, w in zip(replica, kept, strict=True)]
+        for r in rows:
+            r["idle"] = max(0.0, 1.0 - r["busy_s"] / span) if span > 0 else None
+        per_rank += rows
+        if span > 0:
+            busy = [r["busy_s"] for r in rows]
+            critical.append(max(0.0, 1.0 - max(busy) / span))
+            imbalance.append(1.0 - min(busy) / max(busy) if max(busy) > 0 else 0.0)
+    idle = [r["idle"] for r in per_rank if r["idle"] is not None]
+    mean = (lambda xs: sum(xs) / len(xs) if xs else None)  # noqa: E731
     return {"stages": pp, "micro_batches": micro_batches, "schedule": SCHEDULES[schedule],
-            "bubble_formula": bubble_fraction(pp, micro_batches),
-            "bubble_measured": sum(bubbles) / len(bubbles) if bubbles else None, "per_rank": per_rank}
+            "bubble_formula": bubble_fraction(pp, micro_batches), "bubble_measured": mean(critical),
+            "idle_mean": mean(idle), "stage_imbalance": mean(imbalance), "per_rank": per_rank}
 
 
 # -- back to one HF model ------------------------------------------------------------------------

@@ -260,7 +260,9 @@ def test_every_pipeline_parameter_has_exactly_one_hf_name(family, task):
 
 def test_the_bubble_is_measured_over_the_replicas_span_not_each_stages_own():
     """A stage that finishes its schedule early (the last stage after its final backward) idles
-    until the replica's last stage is done, as the formula counts it; two replicas are two spans."""
+    until the replica's last stage is done, as the formula counts it; two replicas are two spans.
+    The bubble is the slowest stage's idle share (it sets the pace: its idle is fill and drain); a
+    faster stage's extra wait is stage imbalance, reported apart."""
     from raylib.train.pipeline import summary
 
     def clock(*windows):
@@ -271,14 +273,18 @@ def test_the_bubble_is_measured_over_the_replicas_span_not_each_stages_own():
     stages = [clock((0.0, 10.0, 8.0), (20.0, 30.0, 6.0)), clock((0.0, 9.0, 8.0), (19.0, 28.0, 6.0)),
               clock((0.0, 4.0, 3.0)), clock((0.0, 4.0, 2.0))]
     out = summary(stages, pp=2, micro_batches=4)
-    assert [r["bubble"] for r in out["per_rank"]] == pytest.approx([1 - 14 / 21, 1 - 14 / 21, 0.25, 0.5])
-    assert out["bubble_measured"] == pytest.approx(((1 - 14 / 21) * 2 + 0.75) / 4)
+    assert [r["idle"] for r in out["per_rank"]] == pytest.approx([1 - 14 / 21, 1 - 14 / 21, 0.25, 0.5])
+    assert out["idle_mean"] == pytest.approx(((1 - 14 / 21) * 2 + 0.75) / 4)
+    # replica 1's busiest stage (3 s of 4) idles 0.25; its other stage's extra 0.25 is imbalance
+    assert out["bubble_measured"] == pytest.approx(((1 - 14 / 21) + 0.25) / 2)
+    assert out["stage_imbalance"] == pytest.approx((0.0 + 1 / 3) / 2)
     assert out["bubble_formula"] == 0.2
     assert summary([None, None], pp=2, micro_batches=4) is None
     # tp=2 inside the stages: one replica of four ranks, one span
     tpp = summary([clock((0.0, 10.0, 8.0)), clock((0.0, 10.0, 8.0)), clock((0.0, 9.0, 7.0)),
                    clock((0.0, 9.0, 7.0))], pp=2, micro_batches=4, tp=2)
-    assert [r["bubble"] for r in tpp["per_rank"]] == pytest.approx([0.2, 0.2, 0.3, 0.3])
+    assert [r["idle"] for r in tpp["per_rank"]] == pytest.approx([0.2, 0.2, 0.3, 0.3])
+    assert tpp["bubble_measured"] == pytest.approx(0.2) and tpp["stage_imbalance"] == pytest.approx(1 / 8)
 
 
 def test_every_stages_tp_merge_rules_reach_the_checkpoint():

@@ -423,19 +423,26 @@ def summary(stages: list[dict[str, Any] | None], pp: int, micro_batches: int,
     """summary.json's `pipeline`: the bubble measured beside the formula, and where the rest of the
     idle time goes. `stages` are the ranks' clocks in rank order (a replica is pp x tp consecutive
     ranks). A rank's `idle` is 1 - its busy time / its replica's pipeline span, over the steps all
-    of them kept. The formula is the idle share of every stage of a pipeline of equal stages; with
-    unequal ones the slowest stage sets the pace and its idle is the fill and drain (plus the
-    transfers), while a faster stage also waits for it every micro-batch. So `bubble_measured` is
-    the idle share of each replica's slowest rank (their mean over replicas), `idle_mean` the mean
-    over every rank (bubble + imbalance), and `stage_imbalance` 1 - the least busy rank's busy time /
-    the busiest's (the part a rebalanced split would win back, not more micro-batches)."""
+    of them kept after their process's warm-up steps (when later ones remain). The formula is the
+    idle share of every stage of a pipeline of equal stages; with unequal ones the slowest stage
+    sets the pace and its idle is the fill and drain (plus the transfers), while a faster stage
+    also waits for it every micro-batch. So `bubble_measured` is the idle share of each replica's
+    slowest rank (their mean over replicas), `idle_mean` the mean over every rank (bubble +
+    imbalance), and `stage_imbalance` 1 - the least busy rank's busy time / the busiest's (the part
+    a rebalanced split would win back, not more micro-batches)."""
+    from raylib.summary import WARMUP_STEPS
+
     if not stages or not all(stages):
         return None
     per_rank, critical, imbalance = [], [], []
     for first in range(0, len(stages) - pp * tp + 1, pp * tp):
         replica = stages[first:first + pp * tp]
         n = min(len(s["windows"]) for s in replica)
-        kept = [s["windows"][-n:] if n else [] for s in replica]  # the steps every rank kept
+        # the steps every rank kept, less this process's first ones (lazy init, the first transfers'
+        # shape handshake: the summary's throughput leaves them out too) when later ones remain
+        warm = max(0, WARMUP_STEPS - (min(s["steps"] for s in replica) - n))
+        n -= warm if n > warm else 0
+        kept = [s["windows"][-n:] if n else [] for s in replica]
         span = sum(max(w[i][1] for w in kept) - min(w[i][0] for w in kept) for i in range(n))
         rows = [{"steps": s["steps"], "span_s": span, "busy_s": sum(x[2] for x in w),
                  "instructions_s": s["instructions_s"]} for s, w in zip(replica, kept, strict=True)]

@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--address", help="Ray cluster whose labels give the topology")
     p_plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p_plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p_plan.add_argument("--sharing", default="fgd", metavar="POLICY",
+                        help="for a share of an accelerator (scaling.gpus_per_worker < 1): the gang "
+                        "scheduler's node policy, fgd (default), best-fit, packing or ray-default")
 
     p_storage = sub.add_parser("storage", help="storage tools")
     storage_sub = p_storage.add_subparsers(dest="storage_command", required=True)
@@ -253,9 +256,49 @@ def _plan(args) -> int:
 
         runtime.connect(args.address)
         topology = Topology.from_ray_nodes(ray.nodes(), cpus_per_rank=spec.scaling.cpus_per_worker)
+    if spec.scaling.gpus_per_worker < 1:
+        return _plan_shared(spec, topology, args)
     p = plan(topology, Parallelism.of(spec),
              cpus_per_rank=spec.scaling.cpus_per_worker)
     print(json.dumps(p.to_dict(), indent=2) if args.json else p.explain())
+    return 0
+
+
+def _plan_shared(spec, topology, args) -> int:
+    """Where a job of accelerator shares goes on the empty cluster: the node by the gang
+    scheduler's sharing policy, the device by the raylet's best fit (raylib.placement.sharing)."""
+    from raylib.placement.sharing import Devices, Request
+
+    share, world = spec.scaling.gpus_per_worker, spec.world_size
+    if topology.total_gpus == 0:
+        raise ValueError(f"scaling.gpus_per_worker={share:g} asks for a share of an accelerator, but "
+                         f"topology {topology.name!r} has none; drop the setting or add GPU nodes")
+    devices = Devices([n.gpus for n in topology.nodes])
+    slots = devices.place(Request(gpu=share, count=world), args.sharing)
+    if slots is None:
+        most = int(1 / share + 1e-9) * topology.total_gpus
+        raise ValueError(f"{world} workers x {share:g} of an accelerator do not fit on topology "
+                         f"{topology.name!r}: its {topology.total_gpus} accelerators hold at most {most} "
+                         f"such shares ({int(1 / share + 1e-9)} per device); use fewer workers or a share "
+                         "that divides a device")
+    workers = [{"rank": r, "node": topology.nodes[s.node].id, "device": s.devices[0], "share": share}
+               for r, s in enumerate(slots)]
+    if args.json:
+        print(json.dumps({"share": share, "policy": args.sharing, "topology": topology.name,
+                          "workers": workers,
+                          "bundles": [{"CPU": spec.scaling.cpus_per_worker, topology.resource: share}
+                                      for _ in slots]}, indent=2))
+        return 0
+    devices.take(slots)
+    used = sorted({(w["node"], w["device"]) for w in workers})
+    print(f"{world} workers x {share:g} of an accelerator on {topology.name} (gang scheduler, sharing "
+          f"policy {args.sharing}; the device inside a node: the raylet's best fit)")
+    for w in workers:
+        print(f"  rank {w['rank']}: {w['node']} device {w['device']}")
+    for node, dev in used:
+        k = sum(1 for w in workers if (w["node"], w["device"]) == (node, dev))
+        pos = topology.node_position(node)
+        print(f"  {node} device {dev}: {k} worker(s), {1 - devices.free[pos][dev]:.2f} of it taken")
     return 0
 
 

@@ -23,8 +23,10 @@ Shared accelerators (`Job.share` < 1): such a job's workers are placed on device
 by default), all or nothing; a device is never over 1.0. The queue keeps one device-level state for
 every job: whole-accelerator jobs take idle devices, and an island counts for whole-accelerator
 plans only its devices that no sharer touches. A shared job prefers nodes that run no job of its
-own workload kind (co-location: an io-bound sharer beside compute-bound ones). Shared jobs neither
-preempt nor are preempted, and a backfilled one leaves the head's reserved devices alone.
+own workload kind (co-location: an io-bound sharer beside compute-bound ones). Preemption sees
+devices, not jobs: a higher-priority sharer may take a device share from lower-priority sharers or
+whole-GPU jobs, and a whole-GPU job may free a device that lower-priority sharers hold. A
+backfilled sharer leaves the head's reserved devices alone.
 """
 
 from __future__ import annotations
@@ -467,14 +469,19 @@ class GangQueue:
 
     def _sync(self, nodes: set[int]) -> None:
         """Whole-accelerator capacity of these nodes' islands: usable devices no job touches."""
+        self._island_free(self.devices, nodes, self.free)
+
+    def _island_free(self, devices: Devices, nodes, out: np.ndarray) -> np.ndarray:
+        """Write into `out` each island's usable devices that no slot on `devices` touches."""
         for pos in nodes:
             node = self.topology.nodes[pos]
             base = self.topology.index.island_base[pos]
-            busy = np.bincount(self._dev_island[pos][self.devices.free[pos] < 1 - EPS],
+            busy = np.bincount(self._dev_island[pos][devices.free[pos] < 1 - EPS],
                                minlength=len(node.islands))
             up = node.id not in self.down
             for i, cap in enumerate(node.capacity):
-                self.free[base + i] = max(0, cap - int(busy[i])) if up else 0
+                out[base + i] = max(0, cap - int(busy[i])) if up else 0
+        return out
 
     def _releases(self, job_id: str) -> np.ndarray:
         """Whole devices per island that become idle when `job_id` ends: a shared job's, those it
@@ -504,11 +511,13 @@ class GangQueue:
         return view
 
     def _place_shared(self, job: Job, free: np.ndarray, par: Parallelism,
-                      empty: bool = False) -> list[Slot] | None:
+                      empty: bool = False, devices: Devices | None = None) -> list[Slot] | None:
         """Slots for `job`'s workers on shared devices (None: it does not fit). Co-location first:
         nodes that run jobs of the other workload kind (io beside compute) and none of its own.
-        empty: on the idle cluster (is it feasible at all)."""
-        devices = Devices([n.gpus for n in self.topology.nodes]) if empty else self._view(free)
+        empty: on the idle cluster (is it feasible at all); devices: a trial state to place on
+        (what the devices would be without some jobs) instead of the queue's own."""
+        if devices is None:
+            devices = Devices([n.gpus for n in self.topology.nodes]) if empty else self._view(free)
         request = Request(gpu=job.share, count=par.world)
         up = np.array([n.id not in self.down for n in self.topology.nodes])
         mix = Mix.of(self._recent) if self._recent else None
@@ -536,24 +545,26 @@ class GangQueue:
                       split_tp_groups=0))
 
     def _preempt_for(self, job: Job, now: float, out: list[Decision]) -> bool:
-        """Preempt the fewest, lowest-priority running jobs that let `job` start."""
-        if job.share < 1:
-            return False
-        cands = sorted((j for j in self._running.values() if j.priority < job.priority and j.share >= 1),
-                       key=lambda j: (j.priority, -j.gpus, -(j.start_time or 0.0)))
-        free, victims = self.free.copy(), []
+        """Preempt the fewest, lowest-priority running jobs that let `job` start. Whole-GPU and
+        shared jobs alike, either way round: the choice is simulated on a copy of the devices with
+        the victims' slots given back, so a sharer may free part of a device for another sharer,
+        or a device that several small sharers hold for a whole-GPU job."""
+        cands = sorted((j for j in self._running.values() if j.priority < job.priority),
+                       key=lambda j: (j.priority, -j.gpus * min(j.share, 1.0), -(j.start_time or 0.0)))
+        trial, victims = self.devices.copy(), []
         for v in cands:
-            if self._fits(job, free):
+            if self._fits_on(job, trial):
                 break
             victims.append(v)
-            free += self._use[v.id]
-        if not victims or not self._fits(job, free):
+            trial.give(self._slots[v.id])
+        if not victims or not self._fits_on(job, trial):
             return False
         for v in sorted(victims, key=lambda j: -j.priority):  # drop the ones not needed
-            without = free - self._use[v.id]
-            if self._fits(job, without):
+            kept = trial.copy()
+            kept.take(self._slots[v.id])
+            if self._fits_on(job, kept):
                 victims.remove(v)
-                free = without
+                trial = kept
         for v in victims:
             if self.on_preempt is not None:
                 self.on_preempt(v)
@@ -566,6 +577,13 @@ class GangQueue:
         started = self._try_start(job, now, self.free, out)
         assert started, "victims were chosen so that the job fits"
         return True
+
+    def _fits_on(self, job: Job, devices: Devices) -> bool:
+        """Whether `job`'s smallest shape fits on a trial state of the devices."""
+        free = self._island_free(devices, range(len(self.topology.nodes)), np.zeros_like(self.free))
+        if job.share >= 1:
+            return self._fits(job, free)
+        return self._place_shared(job, free, job.smallest, devices=devices) is not None
 
     def _grow(self, now: float, out: list[Decision], reserved: np.ndarray | None) -> None:
         """Resize running elastic jobs (highest priority first) to the largest size that fits on

@@ -45,3 +45,28 @@ def test_plan_rejects_indivisible_parallelism(capsys):
 def test_plan_rejects_tp_wider_than_an_island(capsys):
     assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "strategy.tensor_parallel=16"]) == 2
     assert "tp=16" in capsys.readouterr().err
+
+
+def test_plan_of_accelerator_shares_packs_them_on_devices(capsys):
+    assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "scaling.num_workers=8",
+                 "--set", "scaling.gpus_per_worker=0.25", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["policy"] == "fgd" and len(plan["workers"]) == 8
+    assert all(b["GPU"] == 0.25 for b in plan["bundles"])
+    per_device = {}
+    for w in plan["workers"]:
+        per_device[(w["node"], w["device"])] = per_device.get((w["node"], w["device"]), 0) + w["share"]
+    # four quarters fill a device before another is opened: two devices, each exactly full
+    assert sorted(per_device.values()) == [1.0, 1.0]
+    assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "scaling.num_workers=8",
+                 "--set", "scaling.gpus_per_worker=0.25", "--sharing", "best-fit"]) == 0
+    assert "4 worker(s), 1.00 of it taken" in capsys.readouterr().out
+
+
+def test_plan_refuses_shares_that_cannot_fit_and_unknown_sharing_policies(capsys):
+    assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "scaling.num_workers=256",
+                 "--set", "scaling.gpus_per_worker=0.6"]) == 2
+    assert "hold at most 128 such shares (1 per device)" in capsys.readouterr().err
+    assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "scaling.num_workers=8",
+                 "--set", "scaling.gpus_per_worker=0.25", "--sharing", "round-robin"]) == 2
+    assert "unknown placement policy 'round-robin'" in capsys.readouterr().err

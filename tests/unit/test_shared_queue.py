@@ -91,3 +91,53 @@ def test_a_sharer_backfills_behind_a_blocked_whole_gpu_head_when_no_device_is_id
     out = q.tick(1.0)
     assert [d.job.id for d in out] == ["late"]  # fills the shared device; the head waits for both
     assert np.allclose(sorted(q.devices.free[0].tolist()), [0.0, 0.0])
+
+
+def test_a_higher_priority_sharer_preempts_lower_priority_sharers_only_as_many_as_it_needs():
+    q = GangQueue(Topology.synthetic(nodes=1, gpus_per_node=1))
+    q.submit(shared("low-a", 0.5, priority=0))
+    q.submit(shared("low-b", 0.25, priority=1, submit_time=1.0))
+    q.submit(shared("low-c", 0.25, priority=2, submit_time=2.0))
+    q.tick(0.0)
+    assert np.isclose(q.devices.free[0][0], 0.0)
+    q.submit(shared("urgent", 0.5, priority=5, submit_time=3.0))
+    out = q.tick(1.0)
+    # the lowest priority first, and it alone frees the half the urgent job needs
+    assert [(type(d).__name__, d.job.id) for d in out] == [("Preempt", "low-a"), ("Start", "urgent")]
+    assert "preempted by job 'urgent'" in out[0].reason
+    assert q.jobs["low-a"].state.value == "queued" and q.jobs["low-a"].preemptions == 1
+    assert {j.id for j in q.running} == {"low-b", "low-c", "urgent"}
+    assert np.isclose(q.devices.free[0][0], 0.0)
+    q.finish("urgent")
+    [d] = q.tick(2.0)
+    assert d.job.id == "low-a"  # back on the half it left
+
+
+def test_a_whole_gpu_job_preempts_the_sharers_holding_a_device_and_sharers_preempt_whole_jobs():
+    q = GangQueue(Topology.synthetic(nodes=1, gpus_per_node=2))
+    q.submit(Job(id="whole-low", parallelism=Parallelism(dp=1), priority=1))
+    q.submit(shared("s1", 0.5, priority=0, submit_time=1.0))
+    q.submit(shared("s2", 0.25, priority=2, submit_time=2.0))
+    q.tick(0.0)
+    assert q.free.sum() == 0  # one device whole, the other shared by s1 and s2
+    q.submit(Job(id="whole-high", parallelism=Parallelism(dp=1), priority=3, submit_time=3.0))
+    out = q.tick(1.0)
+    # the fewest victims: the whole job's device (one) rather than the shared one (s1 and s2)
+    assert [d.job.id for d in out] == ["whole-low", "whole-high"]
+    assert q.jobs["whole-high"].plan.bundles[0]["GPU"] == 1.0
+    q.submit(shared("sharer-high", 0.5, priority=9, submit_time=4.0))
+    out = q.tick(2.0)
+    # s2 (0.25, priority 2) leaves room for 0.5 beside it once s1 (priority 0) goes
+    assert [(type(d).__name__, d.job.id) for d in out] == [("Preempt", "s1"), ("Start", "sharer-high")]
+    for row in q.devices.free:
+        assert (row >= -1e-9).all()
+
+
+def test_a_sharer_preempts_nothing_when_even_all_lower_priority_jobs_leaving_would_not_make_room():
+    q = GangQueue(Topology.synthetic(nodes=1, gpus_per_node=1))
+    q.submit(shared("high", 0.75, priority=5))
+    q.submit(shared("low", 0.25, priority=0, submit_time=1.0))
+    q.tick(0.0)
+    q.submit(shared("mid", 0.5, priority=3, submit_time=2.0))
+    assert q.tick(1.0) == []  # taking 'low' would free 0.25 of the 0.5 it needs: no victim at all
+    assert {j.id for j in q.running} == {"high", "low"}

@@ -12,7 +12,8 @@ Two experiments, both over `raylib.placement.sharing.Devices` and its policies:
 
 `synthetic_sharing_trace` draws tasks from the Alibaba GPU-sharing mix documented in
 `raylib.placement.sharing` (OPENB_CLASS_SHARES and the shape tables). Clusters come from
-`uniform_cluster` or from Alibaba PAI's machine list (`cluster_from_machine_spec`, the
+`openb_cluster` (the 1,213 GPU nodes the FGD paper emulates, by shape), `uniform_cluster` or
+Alibaba PAI's machine list (`cluster_from_machine_spec`, the
 ../shared/traces/alibaba_gpu_v2020/pai_machine_spec.csv file; never copied into the project).
 """
 
@@ -42,8 +43,9 @@ from raylib.placement.sharing import (
 )
 
 __all__ = [
-    "ALIBABA_MACHINE_SPEC", "ShareResult", "Task", "cluster_from_machine_spec", "compare_sharing",
-    "offered_load", "saturate", "simulate_sharing", "synthetic_sharing_trace", "uniform_cluster",
+    "ALIBABA_MACHINE_SPEC", "OPENB_NODE_TYPES", "ShareResult", "Task", "cluster_from_machine_spec",
+    "compare_sharing", "offered_load", "openb_cluster", "saturate", "simulate_sharing",
+    "synthetic_sharing_trace", "uniform_cluster",
 ]
 
 ALIBABA_MACHINE_SPEC = (Path(__file__).resolve().parents[3] / "shared" / "traces" / "alibaba_gpu_v2020"
@@ -117,6 +119,31 @@ def uniform_cluster(nodes: int, gpus_per_node: int = 8, cpus_per_node: float = 9
     """(gpus, cpus, mem) of `nodes` identical nodes (defaults: PAI's 8 x V100 machines, 96 CPUs,
     512 GB). Devices(*uniform_cluster(64)) builds it."""
     return [gpus_per_node] * nodes, [float(cpus_per_node)] * nodes, [float(mem_per_node)] * nodes
+
+
+OPENB_NODE_TYPES: tuple[tuple[int, float, float, str, int], ...] = (
+    # (GPUs, CPUs, memory GB, GPU model, nodes)
+    (8, 96.0, 384.0, "G2", 549), (2, 104.0, 512.0, "T4", 387), (2, 16.0, 120.0, "P100", 107),
+    (8, 128.0, 768.0, "G3", 39), (4, 32.0, 128.0, "V100M16", 28), (2, 64.0, 256.0, "P100", 22),
+    (8, 96.0, 768.0, "V100M32", 21), (1, 8.0, 32.0, "V100M16", 19), (4, 96.0, 384.0, "T4", 17),
+    (4, 48.0, 368.0, "V100M32", 9), (8, 64.0, 256.0, "V100M16", 7), (1, 8.0, 60.0, "P100", 3),
+    (2, 8.0, 60.0, "P100", 2), (1, 128.0, 1024.0, "A10", 2), (8, 82.0, 336.0, "V100M16", 1),
+)
+"""The GPU nodes of the cluster the FGD paper emulates (alibaba/clusterdata cluster-trace-gpu-v2023,
+openb_node_list_gpu_node.csv: 1,213 nodes, 6,212 GPUs, 107,018 CPUs), counted by shape. Unlike a
+uniform cluster of 96-CPU 8-GPU nodes, it has CPU-rich few-GPU nodes (T4: 104 CPUs for 2 GPUs) and
+CPU-poor ones (P100: 16 CPUs for 2 GPUs): where the CPUs of a task go decides which GPUs stay usable."""
+
+
+def openb_cluster(fraction: float = 1.0, *, seed: int = 0) -> tuple[list[int], list[float], list[float]]:
+    """(gpus, cpus, mem GB) of the FGD paper's cluster (`OPENB_NODE_TYPES`), or of `fraction` of it
+    (each shape's count scaled and rounded, at least one node of each), in a seeded random order
+    (ties between equal nodes go to the lower index, so the order is part of the experiment)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    nodes = [(g, c, m) for g, c, m, _, n in OPENB_NODE_TYPES for _ in range(max(1, round(n * fraction)))]
+    order = np.random.default_rng(seed).permutation(len(nodes))
+    return ([nodes[i][0] for i in order], [nodes[i][1] for i in order], [nodes[i][2] for i in order])
 
 
 def cluster_from_machine_spec(

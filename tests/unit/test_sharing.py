@@ -13,6 +13,7 @@ from raylib.placement.share_sim import (
     cluster_from_machine_spec,
     compare_sharing,
     offered_load,
+    openb_cluster,
     saturate,
     simulate_sharing,
     synthetic_sharing_trace,
@@ -65,7 +66,7 @@ def test_request_above_one_gpu_must_be_whole_and_the_error_names_the_fix():
 
 
 def test_unknown_policy_raises_naming_the_choices():
-    with pytest.raises(ValueError, match="fgd, best-fit, packing, ray-default"):
+    with pytest.raises(ValueError, match="fgd, best-fit, weighted-best-fit, packing, ray-default"):
         Devices([2]).place(Request(0.5), policy="first-fit")
     with pytest.raises(ValueError, match="fgd, best-fit"):
         saturate([Task("a", 0, 1, Request(0.5))], Devices([2]), "spread")
@@ -220,8 +221,9 @@ def two_nodes_one_shared_device() -> Devices:
     # A 0.5-task, then two 1-GPU tasks. mix {0.5: 50%, 1: 50%}.
     # fgd: on node 0, A opens the idle device -> [0.5, 0.25]: F goes 0.25 -> 0.5*0.25 + 0.5*0.75 = 0.5
     #      (delta +0.25); on node 1, A fills the shared device -> [0, 1]: F goes 0.25 -> 0 (delta
-    #      -0.25), so node 1. Both 1-GPU tasks then find an idle device: 0.25 GPU left unallocated.
-    ("fgd", [[(1, (0,))], [(0, (0,))], [(1, (1,))]], 0.25),
+    #      -0.25), so node 1. Both 1-GPU tasks then find an idle device (either leaves F as it is:
+    #      the tie goes to best fit, node 1's last device first): 0.25 GPU left unallocated.
+    ("fgd", [[(1, (0,))], [(1, (1,))], [(0, (0,))]], 0.25),
     # best-fit: node 0 has less free capacity, so A breaks its idle device; one idle device is left
     # (node 1) and the second 1-GPU task fails with 1.25 GPUs free in pieces.
     ("best-fit", [[(0, (0,))], [(1, (1,))], None], 1.25),
@@ -242,8 +244,14 @@ def test_fgd_keeps_a_node_whole_when_the_mix_has_two_gpu_tasks():
     d = Devices([2, 2])
     d.free[1][:] = [1.0, 0.5]
     assert d.place(Request(1), "fgd", mix)[0].node == 1
-    # against a mix without 2-GPU tasks both deltas are 0 and the lower index wins
-    assert d.place(Request(1), "fgd", HALF_OR_WHOLE)[0].node == 0
+    # against a mix without 2-GPU tasks both deltas are 0 and best fit breaks the tie (node 1)
+    assert d.place(Request(1), "fgd", HALF_OR_WHOLE)[0].node == 1
+    # a growth under FGD_RESOLUTION (0.1 GPU) is a tie too: against a mix of 0.5-tasks, node 1
+    # [0.54, 1] would keep a 0.04 sliver no such task can use (delta +0.04), idle node 0 none
+    # (delta 0); at a tenth of a GPU that is a tie, and best fit gives the task to the fuller node
+    d = Devices([2, 2])
+    d.free[1][:] = [0.54, 1.0]
+    assert d.place(Request(0.5), "fgd", Mix.from_counts({Request(0.5): 1}))[0].node == 1
 
 
 def test_best_fit_and_packing_tie_breaks():
@@ -369,9 +377,14 @@ def test_synthetic_trace_is_seeded_and_follows_the_documented_mix():
     tasks = synthetic_sharing_trace(5000, seed=0)
     assert all(x.submit <= y.submit for x, y in zip(tasks, tasks[1:], strict=False))
     share = lambda pred: sum(pred(t.request) for t in tasks) / len(tasks)  # noqa: E731
-    assert share(lambda r: r.gpu == 0) == pytest.approx(0.11, abs=0.02)
-    assert share(lambda r: r.fraction) == pytest.approx(0.31, abs=0.03)
-    assert share(lambda r: r.gpu == 1) == pytest.approx(0.57, abs=0.03)
+    # the openb trace's classes (8,152 pods): CPU-only 13.3%, sharing 37.8%, one GPU 48.0%
+    assert share(lambda r: r.gpu == 0) == pytest.approx(0.133, abs=0.02)
+    assert share(lambda r: r.fraction) == pytest.approx(0.378, abs=0.02)
+    assert share(lambda r: r.gpu == 1) == pytest.approx(0.480, abs=0.02)
+    # its most common shape: 0.81 of a GPU with 3.152 CPUs and 5,600 MiB (1,047 pods)
+    top = Request(0.81, cpu=3.152, mem=5600 / 1024)
+    assert share(lambda r: r == top) == pytest.approx(1047 / 8152, abs=0.015)
+    assert len({t.request for t in tasks}) > 60  # the trace's shapes, not a handful
     assert all(1 <= t.duration <= 86400 for t in tasks)
     assert max(t.request.gpu for t in synthetic_sharing_trace(3000, seed=0, gpus_per_node=4)) <= 4
     only = synthetic_sharing_trace(200, seed=0, mix={"sharing": 1.0})
@@ -396,3 +409,46 @@ def test_alibaba_machine_spec_loads():
     assert len(v100[0]) == 104 and set(v100[0]) == {8} and set(v100[1]) == {96.0}
     d = Devices(*cluster_from_machine_spec(MACHINE_SPEC, stride=20))
     assert d.n_nodes == 95 and d.place(Request(0.5, cpu=4, mem=16)) is not None
+
+
+def test_the_fgd_papers_cluster_has_its_node_shapes_and_scales_down_in_proportion():
+    gpus, cpus, mem = openb_cluster()
+    assert (len(gpus), sum(gpus), sum(cpus)) == (1213, 6212, 107018.0)  # the published node list
+    assert openb_cluster() == openb_cluster() != openb_cluster(seed=1)  # a seeded order
+    small = openb_cluster(0.1)
+    assert len(small[0]) == 126 and set(zip(*small[:2], strict=True)) == set(zip(gpus, cpus, strict=True))
+    assert abs(small[0].count(8) / len(small[0]) - gpus.count(8) / len(gpus)) < 0.02  # 8-GPU nodes: ~51%
+    with pytest.raises(ValueError, match="fraction"):
+        openb_cluster(0)
+
+
+def test_memory_in_mib_over_1024_never_drifts_past_the_node_over_many_takes_and_gives():
+    r = Request(0.47, cpu=8.0, mem=30517 / 1024)  # 29.8017578125 GB: 10 decimals
+    assert r.mem == 29.801758  # kept to a millionth
+    d = Devices([8], cpus=[96.0], mem=[384.0])
+    held = []
+    rng = np.random.default_rng(0)
+    for _ in range(3000):  # without the rounding, the give back drifted past 384 GB and raised
+        if held and rng.random() < 0.5:
+            d.give(held.pop(int(rng.integers(len(held)))))
+        elif (slots := d.place(r, "best-fit")) is not None:
+            d.take(slots)
+            held.append(slots)
+    for slots in held:
+        d.give(slots)
+    assert d.mem_free[0] == 384.0 and d.cpu_free[0] == 96.0 and np.allclose(d.free[0], 1.0)
+
+
+def test_weighted_best_fit_weighs_cpus_against_gpus_as_the_fgd_papers_baseline_does():
+    # node 0: 2 GPUs and 96 of 128 CPUs free; node 1: 6 GPUs and 8 CPUs free (both 8-GPU nodes)
+    d = Devices([8, 8], cpus=[128.0, 128.0])
+    d.free[0][:6] = 0.0
+    d.free[1][:2] = 0.0
+    d.cpu_free[:] = [96.0, 8.0]
+    one = Request(1, cpu=4.0)
+    # GPUs alone: node 0 is the fuller one; weighted, node 1's few CPUs make it the tighter fit
+    assert d.place(one, "best-fit")[0].node == 0
+    assert d.place(one, "weighted-best-fit")[0].node == 1  # 0.5*4/128 + 0.5*5/8 < 0.5*92/128 + 0.5*1/8
+    unlimited = Devices([8, 8])
+    unlimited.free[1][:2] = 0.0
+    assert unlimited.place(one, "weighted-best-fit")[0].node == 1  # CPUs uncounted: GPUs decide

@@ -169,6 +169,41 @@ def test_priority_preemption_and_requeue(gang):
     assert not again.preempt_requested(), "waiting again acknowledged the preemption"
 
 
+def test_a_higher_priority_sharer_preempts_a_whole_gpu_job_and_gets_its_share_from_ray(gang):
+    """The cluster's 16 GPUs are held whole by a low-priority job; a higher-priority job of one
+    worker x 0.5 GPU preempts it (the queue tries the victims on a copy of the devices), its
+    placement group is created, and an actor asking Ray for 0.5 GPU runs inside it. The whole job
+    waits until the sharer leaves, then runs whole again."""
+    import ray
+    from ray.util.placement_group import get_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from raylib.placement.gang import reserve
+    from raylib.placement.planner import Parallelism
+
+    low = reserve("whole-low", Parallelism(dp=4, tp=4), priority=0, actor=gang, timeout_s=300)
+    ray.get(gang.submit.remote("share-high", {"dp": 1}, 10, "default", None, None, (), 0.5, 0.5,
+                               "compute"))
+    high = wait_state(gang, "share-high", "ready", deadline_s=60)
+    assert high["plan"]["bundles"] == [{"CPU": 0.5, "GPU": 0.5}]
+    assert low.preempt_requested()
+    st = ray.get(gang.poll.remote("whole-low"))
+    assert st["state"] == "queued" and st["preemptions"] == 1 and "'share-high'" in st["reason"]
+
+    @ray.remote(num_cpus=0)
+    def gpu_ids():
+        return ray.get_runtime_context().get_accelerator_ids()["GPU"]
+
+    in_pg = PlacementGroupSchedulingStrategy(
+        placement_group=get_placement_group("raylib-gang-share-high"), placement_group_bundle_index=0)
+    ids = ray.get(gpu_ids.options(num_gpus=0.5, num_cpus=0.5, scheduling_strategy=in_pg).remote(), timeout=60)
+    assert len(ids) == 1  # one device, half of it
+    ray.get(gang.release.remote("share-high"))
+    again = reserve("whole-low", Parallelism(dp=4, tp=4), priority=0, actor=gang, timeout_s=300)
+    assert len(set(again.plan.rank_node)) == 4
+    again.release()
+
+
 def test_infeasible_and_timeout_are_clear_and_leak_nothing(gang):
     import ray
 

@@ -114,12 +114,18 @@ def _interarrival(load: float, gpus: float) -> float:
     return e_gpu * e_duration / (load * gpus)
 
 
+def _task_class(r) -> str:
+    return "cpu-only" if r.gpu == 0 else "shared" if r.fraction else f"{r.whole}-gpu"
+
+
 def jct(make, load: float) -> dict:
     gpus = make().total_gpus
     res = {p: [] for p in POLICIES}
     loads = []
+    tasks_by_seed = {}
     for seed in SEEDS:
         tasks = synthetic_sharing_trace(JCT_TASKS, seed=seed, mean_interarrival_s=_interarrival(load, gpus))
+        tasks_by_seed[seed] = tasks
         loads.append(offered_load(tasks, gpus))
         for p in POLICIES:
             res[p].append(simulate_sharing(tasks, make(), p))
@@ -127,6 +133,13 @@ def jct(make, load: float) -> dict:
     for p in POLICIES:
         out[p] = {k: statistics.mean(getattr(r, k) for r in res[p])
                   for k in ("mean_jct_s", "p95_jct_s", "mean_queue_delay_s", "utilisation", "stranded")}
+        # who waits: the mean queueing delay of each task class, over all seeds' tasks
+        delays: dict[str, list[float]] = {}
+        for seed, r in zip(SEEDS, res[p], strict=True):
+            for t in tasks_by_seed[seed]:
+                if t.id in r.queue_delay_by_task:
+                    delays.setdefault(_task_class(t.request), []).append(r.queue_delay_by_task[t.id])
+        out[p]["queue_delay_by_class_s"] = {c: statistics.mean(v) for c, v in sorted(delays.items())}
     jcts = ", ".join(f"{p} {out[p]['mean_jct_s']:.1f} s" for p in POLICIES)
     log(f"mean JCT at load {out['offered_load']:.2f}: {jcts}")
     return out

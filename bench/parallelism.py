@@ -40,12 +40,14 @@ Pipeline parallelism (DeepSpeed's pipeline engine, 1F1B): pp2 x dp2 ZeRO-1 on 4 
 --pp-micro-batches micro-batches per replica per step (micro-batch = global / (dp x m)), its
 loss-parity reference pp1 x dp2 on 2 workers with the same micro-batches (a causal-LM loss is a
 mean per micro-batch, so the split must match), and pp2 x dp1 on 2 workers (one core per stage, no
-oversubscription) for the bubble: raylib's summary measures, per stage, the share of the replica's
-pipeline span (from the start its stages share to the end of the last one's schedule) not spent in
-forward/backward passes (waiting for the neighbour, send/recv); the slowest stage's share (it sets
-the pace: its idle is the fill and drain) is compared with (pp-1)/(m+pp-1), and the mean over the
-stages (the faster stage also waits for the slower one every micro-batch) is reported beside it
-with the stage imbalance; the same again on the GPipe schedule (its loss curve must equal 1F1B's). tp2 x pp2
+oversubscription) for the bubble: raylib's summary splits each stage's share of the replica's
+pipeline span (from the start its stages share to the end of the last one's schedule) into compute
+(forward/backward passes), its own sends and micro-batch loads, and waiting for the neighbour
+(receives, transfer included); the critical stage's waiting share (the stage with the most work
+sets the pace: its waiting is the fill and drain) is compared with (pp-1)/(m+pp-1), its sends and
+loads are reported beside it (the transfers the formula leaves out), and the mean idle share over
+the stages (the faster stage also waits for the slower one every micro-batch) with the stage
+imbalance; the same again on the GPipe schedule (its loss curve must equal 1F1B's). tp2 x pp2
 x dp1 runs AutoTP inside the two stages (step time, memory per rank). Part 2 (bytes by group)
 covers dp and tp layouts only.
 
@@ -421,8 +423,8 @@ def main() -> None:
                 failed[f"bubble m={m}"] = f"{type(e).__name__}: {e}"[:2000]
                 continue
             sweep.append({"micro_batches": m, "micro_batch_size": micro,
-                          **{k: p[k] for k in ("bubble_formula", "bubble_measured", "idle_mean",
-                                               "stage_imbalance")},
+                          **{k: p[k] for k in ("bubble_formula", "bubble_measured", "transfer_share",
+                                               "idle_mean", "stage_imbalance")},
                           "bubble_off_vs_formula": abs(p["bubble_measured"] - p["bubble_formula"])
                           / p["bubble_formula"]})
             log(f"bubble m={m}: {p['bubble_measured']:.3f} vs formula {p['bubble_formula']:.3f}")
@@ -513,17 +515,21 @@ def main() -> None:
                 "value": bubble_off, "target": "<= 0.10",
                 "met": bubble_off is not None and bubble_off <= 0.10,
                 "what": "|measured - formula| / formula for pp2 x dp1 on 2 workers: measured "
-                        f"{bubble.get('bubble_measured')} on 1F1B (the idle share of the replica's pipeline "
-                        "span of its slowest stage, which sets the pace: fill, drain and the point-to-point "
-                        "transfers the formula leaves out) vs (pp-1)/(m+pp-1) = "
-                        f"{bubble.get('bubble_formula')} at m = {bubble.get('micro_batches')}; the mean idle "
-                        f"share over both stages is {bubble.get('idle_mean')}, the faster stage also waiting "
-                        f"for the slower one (stage imbalance {bubble.get('stage_imbalance')}: the last "
-                        f"stage carries the LM head); GPipe: {gpipe.get('bubble_measured')}"},
+                        f"{bubble.get('bubble_measured')} on 1F1B (the share of the replica's pipeline span "
+                        "its critical stage, the one with the most work, spends waiting for its neighbour: "
+                        "fill, drain and its receives, transfer included) vs (pp-1)/(m+pp-1) = "
+                        f"{bubble.get('bubble_formula')} at m = {bubble.get('micro_batches')}; beside it "
+                        f"that stage's own sends and micro-batch loads, {bubble.get('transfer_share')} of "
+                        "the span (the cost the formula leaves out), the mean idle (not computing) share "
+                        f"over both stages {bubble.get('idle_mean')}, the faster stage also waiting for the "
+                        "slower one "
+                        f"(stage imbalance {bubble.get('stage_imbalance')}: the last stage carries the LM "
+                        f"head); GPipe: {gpipe.get('bubble_measured')}"},
             "pipeline_idle_mean_vs_formula": {
                 "value": idle_off, "target": "(reported)",
-                "what": "|mean idle share over the stages - formula| / formula: the bubble plus the stage "
-                        "imbalance, which a balanced split would remove and more micro-batches would not"},
+                "what": "|mean idle (not computing) share over the stages - formula| / formula: the bubble "
+                        "plus the sends and loads plus the stage imbalance, which a balanced split would "
+                        "remove and more micro-batches would not"},
             "gpipe_loss_parity_vs_1f1b_max_rel_diff": {
                 "value": gpipe_parity, "target": "<= 1e-5",
                 "met": gpipe_parity is not None and gpipe_parity <= 1e-5,

@@ -370,6 +370,10 @@ class StageClock:
     `summary` takes the span from every stage's windows (wall-clock times: one clock per node)."""
 
     BUSY = ("ForwardPass", "BackwardPass")
+    # the stage's own work that is not compute: handing its results on and loading its micro-batch
+    # (a blocking send occupies the rank). Not waiting, so not the formula's bubble; a receive is
+    # (it blocks until the neighbour's result is there), transfer included.
+    OWN = ("SendActivation", "SendGrad", "LoadMicroBatch")
     AFTER = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")  # after the schedule
     KEEP = 512  # the newest steps' windows (what the summary measures the bubble on)
 
@@ -379,7 +383,7 @@ class StageClock:
         self.armed = False
         self.group = engine.grid.get_pipe_parallel_group()
         self.windows: collections.deque = collections.deque(maxlen=self.KEEP)
-        self._busy = 0.0
+        self._busy = self._own = 0.0
         self._end: float | None = None
         timed = {}
         for instr, fn in engine._INSTRUCTION_MAP.items():  # the schedule's own entries too
@@ -396,6 +400,8 @@ class StageClock:
                     self.seconds[_name] = self.seconds.get(_name, 0.0) + dt
                     if _name in self.BUSY:
                         self._busy += dt
+                    elif _name in self.OWN:
+                        self._own += dt
             timed[instr] = clocked
         engine._INSTRUCTION_MAP = timed
 
@@ -404,13 +410,13 @@ class StageClock:
         import torch.distributed as dist
 
         dist.barrier(group=self.group)
-        start, self._busy, self._end = time.time(), 0.0, None
+        start, self._busy, self._own, self._end = time.time(), 0.0, 0.0, None
         self.armed = True
         try:
             yield
         finally:
             self.armed = False
-            self.windows.append((start, self._end or time.time(), self._busy))
+            self.windows.append((start, self._end or time.time(), self._busy, self._own))
             self.steps += 1
 
     def to_dict(self) -> dict[str, Any]:
@@ -421,20 +427,26 @@ class StageClock:
 def summary(stages: list[dict[str, Any] | None], pp: int, micro_batches: int,
             schedule: str = "1f1b", tp: int = 1) -> dict[str, Any] | None:
     """summary.json's `pipeline`: the bubble measured beside the formula, and where the rest of the
-    idle time goes. `stages` are the ranks' clocks in rank order (a replica is pp x tp consecutive
-    ranks). A rank's `idle` is 1 - its busy time / its replica's pipeline span, over the steps all
-    of them kept after their process's warm-up steps (when later ones remain). The formula is the
-    idle share of every stage of a pipeline of equal stages; with unequal ones the slowest stage
-    sets the pace and its idle is the fill and drain (plus the transfers), while a faster stage
-    also waits for it every micro-batch. So `bubble_measured` is the idle share of each replica's
-    slowest rank (their mean over replicas), `idle_mean` the mean over every rank (bubble +
-    imbalance), and `stage_imbalance` 1 - the least busy rank's busy time / the busiest's (the part
+    stages' time goes. `stages` are the ranks' clocks in rank order (a replica is pp x tp
+    consecutive ranks), over the steps all of them kept after their process's warm-up steps (when
+    later ones remain). Each rank's share of its replica's pipeline span splits three ways:
+    compute (forward and backward passes), its own other work (sends, loading its micro-batch:
+    `own`) and waiting for a neighbour (receives, transfer included, and anything between
+    instructions: `wait`). `idle` is 1 - compute share (the two others).
+
+    The formula (pp-1)/(m+pp-1) is the waiting of every stage of a pipeline of equal stages with
+    free transfers. With unequal ones the stage with the most work sets the pace and its waiting is
+    the fill and drain, while a faster stage also waits for it every micro-batch. So
+    `bubble_measured` is the waiting share of each replica's critical rank (the most compute + own
+    work; their mean over replicas), `transfer_share` that rank's own-work share (the cost the
+    formula leaves out), `idle_mean` the mean idle share over every rank (bubble + transfers +
+    imbalance), and `stage_imbalance` 1 - the least busy rank's compute / the busiest's (the part
     a rebalanced split would win back, not more micro-batches)."""
     from raylib.summary import WARMUP_STEPS
 
     if not stages or not all(stages):
         return None
-    per_rank, critical, imbalance = [], [], []
+    per_rank, critical, transfers, imbalance = [], [], [], []
     for first in range(0, len(stages) - pp * tp + 1, pp * tp):
         replica = stages[first:first + pp * tp]
         n = min(len(s["windows"]) for s in replica)
@@ -445,19 +457,24 @@ def summary(stages: list[dict[str, Any] | None], pp: int, micro_batches: int,
         kept = [s["windows"][-n:] if n else [] for s in replica]
         span = sum(max(w[i][1] for w in kept) - min(w[i][0] for w in kept) for i in range(n))
         rows = [{"steps": s["steps"], "span_s": span, "busy_s": sum(x[2] for x in w),
+                 "own_s": sum(x[3] if len(x) > 3 else 0.0 for x in w),
                  "instructions_s": s["instructions_s"]} for s, w in zip(replica, kept, strict=True)]
         for r in rows:
             r["idle"] = max(0.0, 1.0 - r["busy_s"] / span) if span > 0 else None
+            r["wait"] = max(0.0, 1.0 - (r["busy_s"] + r["own_s"]) / span) if span > 0 else None
         per_rank += rows
         if span > 0:
+            pace = max(rows, key=lambda r: r["busy_s"] + r["own_s"])
+            critical.append(pace["wait"])
+            transfers.append(pace["own_s"] / span)
             busy = [r["busy_s"] for r in rows]
-            critical.append(max(0.0, 1.0 - max(busy) / span))
             imbalance.append(1.0 - min(busy) / max(busy) if max(busy) > 0 else 0.0)
     idle = [r["idle"] for r in per_rank if r["idle"] is not None]
     mean = (lambda xs: sum(xs) / len(xs) if xs else None)  # noqa: E731
     return {"stages": pp, "micro_batches": micro_batches, "schedule": SCHEDULES[schedule],
             "bubble_formula": bubble_fraction(pp, micro_batches), "bubble_measured": mean(critical),
-            "idle_mean": mean(idle), "stage_imbalance": mean(imbalance), "per_rank": per_rank}
+            "transfer_share": mean(transfers), "idle_mean": mean(idle),
+            "stage_imbalance": mean(imbalance), "per_rank": per_rank}
 
 
 # -- back to one HF model ------------------------------------------------------------------------

@@ -321,6 +321,8 @@ def test_a_pipeline_with_tp_inside_its_stages_trains_where_the_gang_scheduler_pl
         assert rank["instructions_s"]["ForwardPass"] > 0 and rank["instructions_s"]["BackwardPass"] > 0
     assert {"SendActivation", "RecvGrad"} <= set(pipe["per_rank"][0]["instructions_s"])
     assert {"RecvActivation", "SendGrad"} <= set(pipe["per_rank"][2]["instructions_s"])
+    # every stage's sends are its own work, not the bubble: waiting is less than not computing
+    assert all(r["own_s"] > 0 and r["wait"] < r["idle"] for r in pipe["per_rank"]), pipe["per_rank"]
 
 
 def wait_train_workers(n: int, deadline_s=300) -> None:

@@ -292,6 +292,27 @@ def test_the_bubble_is_measured_over_the_replicas_span_not_each_stages_own():
     assert warm["bubble_measured"] == pytest.approx(0.2)
 
 
+def test_a_stages_own_sends_and_loads_are_not_the_bubble():
+    """The formula counts waiting for a neighbour, with free transfers. A stage's blocking sends and
+    micro-batch loads are work it does (`own`, the 4th element of a window): idle (not computing)
+    but not waiting. The critical stage is the one with the most compute + own work, even when
+    another computes more."""
+    from raylib.train.pipeline import summary
+
+    def clock(*windows):
+        return {"steps": len(windows), "windows": list(windows), "instructions_s": {}}
+
+    # span 10: stage 0 computes 7 and sends for 0.5, stage 1 computes 7.6 and never sends
+    out = summary([clock((0.0, 10.0, 7.0, 0.5)), clock((0.0, 9.0, 7.6, 0.0))], pp=2, micro_batches=4)
+    assert [r["idle"] for r in out["per_rank"]] == pytest.approx([0.3, 0.24])
+    assert [r["wait"] for r in out["per_rank"]] == pytest.approx([0.25, 0.24])
+    assert out["bubble_measured"] == pytest.approx(0.24) and out["transfer_share"] == pytest.approx(0.0)
+    # stage 0 sending for 1.0 now has the most work: it sets the pace, its waiting is the bubble
+    out = summary([clock((0.0, 10.0, 7.0, 1.0)), clock((0.0, 9.0, 7.6, 0.0))], pp=2, micro_batches=4)
+    assert out["bubble_measured"] == pytest.approx(0.2) and out["transfer_share"] == pytest.approx(0.1)
+    assert out["idle_mean"] == pytest.approx((0.3 + 0.24) / 2)
+
+
 def test_every_stages_tp_merge_rules_reach_the_checkpoint():
     """DeepSpeed's universal converter reads the AutoTP merge rules from the first stage's file only;
     each stage collects its own (under its layer names), so the merge must keep every stage's: a

@@ -82,6 +82,11 @@ def connect(
                 dashboard_host="127.0.0.1",
                 dashboard_port=port,
                 object_store_memory=object_store_memory,
+                # no idle workers started ahead of need: raylib's training workers run in their own
+                # runtime_env (allocator, SIGINT hook), so a prestarted default worker never hosts
+                # one; it only wakes the cores hundreds of times a second beside the ranks (bert-mini
+                # on 2 cores: tokens/s +1.8%, bench/models.py)
+                _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
                 **kwargs,
             )
     return ray.cluster_resources()

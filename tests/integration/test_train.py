@@ -95,6 +95,17 @@ def test_zero_stages_train_and_agree(stage, tiny_dataset, tmp_path, ray_local):
         assert set(ops) == {"adamw"}
 
 
+def test_the_embedded_cluster_starts_no_idle_workers_ahead_of_need(ray_local):
+    """raylib's training workers run in their own runtime_env, so a worker Ray prestarts for the
+    default one never hosts a rank; it only wakes the cores beside them. The running cluster's
+    GCS holds the setting (not only what the driver asked for)."""
+    from ray._private.state import state
+
+    config = state.get_system_config()
+    assert config.get("prestart_worker_first_driver") is False, config
+    assert config.get("enable_worker_prestart") is False, config
+
+
 def test_infeasible_requests_fail_before_reserving(tiny_dataset, tmp_path, ray_local):
     import ray
 

@@ -49,6 +49,7 @@ from raylib.placement.share_sim import (  # noqa: E402
     openb_cluster,
     saturate,
     simulate_sharing,
+    stranding_floor,
     synthetic_sharing_trace,
     uniform_cluster,
 )
@@ -57,6 +58,7 @@ from raylib.placement.simulate import TraceJob, simulate, synthetic_trace  # noq
 
 RESULTS = REPO / "bench/results"
 SEEDS = (10, 11, 12)
+EXTRA_JCT_SEEDS = (13, 14, 15)  # fgd and best-fit only: how much the mean JCT ratio moves with the seed
 JCT_TASKS = 20000
 OPENB = "openb: the FGD paper's cluster (1,213 nodes, 6,212 GPUs)"
 UNIFORM = "uniform 64x8 (96 CPU, 512 GB per node)"
@@ -82,12 +84,13 @@ def stranded(clusters: dict) -> dict:
     for name, make in clusters.items():
         cap = make().total_gpus
         by_policy = {p: [] for p in POLICIES}
-        offline, cpu_asked = [], []
+        offline, cpu_asked, floors = [], [], []
         for seed in SEEDS:
             tasks = synthetic_sharing_trace(int(cap * 1.5) + 200, seed=seed)
             for p in POLICIES:
                 by_policy[p].append(saturate(tasks, make(), p)["stranded"])
             arrived = _arrivals(tasks, cap)
+            floors.append(stranding_floor(arrived, cap))
             asked = sum(t.request.cpu * t.request.count for t in arrived)
             cpu_asked.append(asked / float(make().cpu_total.sum()))
             if name == OPENB:  # the same arrivals known in advance, placed largest first
@@ -98,12 +101,17 @@ def stranded(clusters: dict) -> dict:
                      "vs_best_fit": {p: mean[p] / mean["best-fit"] for p in POLICIES},
                      "vs_weighted_best_fit": {p: mean[p] / mean["weighted-best-fit"] for p in POLICIES},
                      "cpus_asked_at_full_vs_cluster": statistics.mean(cpu_asked),
+                     # no policy can strand less (share_sim.stranding_floor); and if every task
+                     # of more than half a GPU is placed, as an online policy does until near full
+                     "floor_any_policy": statistics.mean(f["floor"] for f in floors),
+                     "floor_if_all_placed": statistics.mean(f["if_all_placed"] for f in floors),
                      "per_seed": by_policy}
         if offline:
             out[name]["offline_fgd_largest_first"] = statistics.mean(offline)
         log(f"stranded at 100% demand, {name}: " + ", ".join(f"{p} {v:.4f}" for p, v in mean.items())
             + (f"; offline largest-first fgd {statistics.mean(offline):.4f}" if offline else "")
-            + f"; CPUs asked / the cluster's {statistics.mean(cpu_asked):.2f}")
+            + f"; CPUs asked / the cluster's {statistics.mean(cpu_asked):.2f}"
+            + f"; no policy below {out[name]['floor_any_policy']:.4f}")
     return out
 
 
@@ -118,18 +126,25 @@ def _task_class(r) -> str:
     return "cpu-only" if r.gpu == 0 else "shared" if r.fraction else f"{r.whole}-gpu"
 
 
-def jct(make, load: float) -> dict:
+def jct(make, load: float, extra_seeds: tuple[int, ...] = ()) -> dict:
     gpus = make().total_gpus
     res = {p: [] for p in POLICIES}
     loads = []
     tasks_by_seed = {}
-    for seed in SEEDS:
+    ratios = []  # fgd / best-fit mean JCT, per seed (extra_seeds: those two policies only)
+    for seed in SEEDS + extra_seeds:
         tasks = synthetic_sharing_trace(JCT_TASKS, seed=seed, mean_interarrival_s=_interarrival(load, gpus))
+        policies = POLICIES if seed in SEEDS else ("fgd", "best-fit")
+        runs = {p: simulate_sharing(tasks, make(), p) for p in policies}
+        ratios.append(runs["fgd"].mean_jct_s / runs["best-fit"].mean_jct_s)
+        if seed not in SEEDS:
+            continue
         tasks_by_seed[seed] = tasks
         loads.append(offered_load(tasks, gpus))
         for p in POLICIES:
-            res[p].append(simulate_sharing(tasks, make(), p))
-    out = {"offered_load": statistics.mean(loads)}
+            res[p].append(runs[p])
+    out = {"offered_load": statistics.mean(loads),
+           "fgd_vs_best_fit_per_seed": dict(zip(SEEDS + extra_seeds, ratios, strict=True))}
     for p in POLICIES:
         out[p] = {k: statistics.mean(getattr(r, k) for r in res[p])
                   for k in ("mean_jct_s", "p95_jct_s", "mean_queue_delay_s", "utilisation", "stranded")}
@@ -187,7 +202,7 @@ def main() -> None:
     clusters[UNIFORM] = lambda: Devices(*uniform_cluster(64))
     strand = stranded(clusters)
     tenth = lambda: Devices(*openb_cluster(0.1))  # noqa: E731
-    jcts = {"1.0": jct(tenth, 1.0), "0.9": jct(tenth, 0.9)}
+    jcts = {"1.0": jct(tenth, 1.0, EXTRA_JCT_SEEDS), "0.9": jct(tenth, 0.9)}
     # a busy cluster (offered load ~0.8: big jobs wait for fragments to add up) and an overloaded one
     flex = {"busy": elastic(args.resize_overhead, 370.0), "overloaded": elastic(args.resize_overhead, 150.0)}
 
@@ -220,6 +235,21 @@ def main() -> None:
             "value": round(busy["fgd"]["mean_jct_s"] / busy[best_jct]["mean_jct_s"], 4), "target": "<= 1.0",
             "what": f"raylib's mean JCT / the lowest of the five (best: {best_jct}), offered load 1.0, "
                     "a tenth of the paper's cluster"},
+        "mean_jct_vs_best_fit_by_seed": {
+            "value": round(statistics.median(busy["fgd_vs_best_fit_per_seed"].values()), 4),
+            "target": "report",
+            "what": "median over seeds 10-15 of raylib's / best-fit's mean JCT at load 1.0 (per seed: "
+                    + ", ".join(f"{v:.3f}" for v in busy["fgd_vs_best_fit_per_seed"].values()) + ")"},
+        "stranded_floor_vs_best_fit": {
+            "value": round(paper["floor_any_policy"] / paper["stranded_share"]["best-fit"], 3),
+            "target": "report",
+            "what": "the least any policy could strand on the same arrivals (share_sim.stranding_floor: "
+                    "fractions above half a GPU cannot share a device) / best-fit's"},
+        "stranded_avoidable_vs_best_fit": {
+            "value": round((paper["stranded_share"]["fgd"] - paper["floor_any_policy"])
+                           / (paper["stranded_share"]["best-fit"] - paper["floor_any_policy"]), 3),
+            "target": "report",
+            "what": "raylib's stranded capacity above that floor / best-fit's"},
         "elastic_jct_ratio_busy": {
             "value": round(flex["busy"]["elastic"]["avg_jct_s"] / flex["busy"]["fixed"]["avg_jct_s"], 3),
             "target": "report",

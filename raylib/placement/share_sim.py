@@ -44,7 +44,7 @@ from raylib.placement.sharing import (
 
 __all__ = [
     "ALIBABA_MACHINE_SPEC", "OPENB_NODE_TYPES", "ShareResult", "Task", "cluster_from_machine_spec",
-    "compare_sharing", "offered_load", "openb_cluster", "saturate", "simulate_sharing",
+    "compare_sharing", "offered_load", "openb_cluster", "saturate", "simulate_sharing", "stranding_floor",
     "synthetic_sharing_trace", "uniform_cluster",
 ]
 
@@ -219,6 +219,45 @@ def saturate(tasks: Sequence[Task], devices: Devices, policy: str, mix: Mix | No
     out.update(tasks=len(tasks), placed=placed, failed=failed,
                curve={"demand": curve_demand, "unallocated": curve_free})
     return out
+
+
+def stranding_floor(tasks: Sequence[Task], capacity: float) -> dict:
+    """A lower bound on the GPU capacity ANY placement (online or offline, any policy) leaves
+    unallocated once `tasks` have arrived on a cluster of `capacity` GPUs, from the fractions
+    above one half alone (CPUs, memory and node boundaries only add to it).
+
+    Why: two workers of more than half a GPU never share a device. Take a threshold tau < 1/2 and
+    B = the fractional workers of g >= 1 - tau; beside one of them there is room for workers of at
+    most 1 - g <= tau only, S = the GPUs those small workers ask for in all. Unallocated capacity
+    U = C - allocated is then both
+      - at least the free room beside the placed B workers: sum over placed B of (1 - g) - S, and
+      - at least the demand of those that failed, plus C - D (D: all arrived demand).
+    So for every lambda in [0, 1], U >= sum over B of min(lambda (1 - g), (1 - lambda) g)
+    - lambda S + (1 - lambda)(C - D): a policy may fail some B workers to avoid their slivers, but
+    each failure costs g > 1 - g. The bound is the best over tau and lambda (the function of lambda
+    is concave, so its maximum is at a breakpoint: 0, 1 or some g).
+
+    Returns floor_gpus, floor (share of capacity), tau and lambda that give it, and
+    `if_all_placed`: the bound when every B worker is placed (lambda = 1), which is what an online
+    policy does (a task that fits is placed) until the cluster is nearly full."""
+    if capacity <= 0:
+        raise ValueError(f"capacity must be > 0 GPUs, got {capacity}")
+    workers = [(t.request.gpu, t.request.count) for t in tasks if t.request.fraction]
+    demand = sum(t.request.total_gpu for t in tasks)
+    slack = capacity - demand  # <= 0 once demand has reached the cluster
+    best = {"floor_gpus": 0.0, "tau": None, "lam": None}
+    all_placed = 0.0
+    for tau in sorted({round(1 - g, 9) for g, _ in workers if g > 0.5}):
+        big = [(g, n) for g, n in workers if g >= 1 - tau - EPS]
+        small = sum(g * n for g, n in workers if g <= tau + EPS)
+        all_placed = max(all_placed, sum((1 - g) * n for g, n in big) - small)
+        for lam in {0.0, 1.0, *(g for g, _ in big)}:
+            v = (sum(min(lam * (1 - g), (1 - lam) * g) * n for g, n in big) - lam * small
+                 + (1 - lam) * slack)
+            if v > best["floor_gpus"]:
+                best = {"floor_gpus": v, "tau": tau, "lam": lam}
+    return {**best, "floor": best["floor_gpus"] / capacity, "if_all_placed_gpus": all_placed,
+            "if_all_placed": all_placed / capacity}
 
 
 # -- event-driven simulation -------------------------------------------------------------------

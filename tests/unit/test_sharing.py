@@ -16,6 +16,7 @@ from raylib.placement.share_sim import (
     openb_cluster,
     saturate,
     simulate_sharing,
+    stranding_floor,
     synthetic_sharing_trace,
     uniform_cluster,
 )
@@ -369,6 +370,44 @@ def test_saturate_reports_unallocated_capacity_when_demand_reaches_the_cluster()
     assert r["curve"]["demand"] == pytest.approx([0.1875, 0.375, 0.5625, 0.75, 1.0, 1.0625])
     assert r["curve"]["unallocated"] == pytest.approx([0.8125, 0.625, 0.4375, 0.25, 0.25, 0.1875])
     assert saturate(tasks[:2], Devices([2, 2]), "fgd")["stranded"] is None  # never reached 100%
+
+
+def _tasks(gpus):
+    return [Task(f"t{i}", i, 1, Request(g)) for i, g in enumerate(gpus)]
+
+
+@pytest.mark.parametrize("gpus, capacity, floor, all_placed", [
+    # four 0.75s on 4 GPUs: each leaves 0.25 nobody can use (or fails, leaving its 0.75)
+    ([0.75] * 4, 4, 1.0, 1.0),
+    # two 0.25s fill two of those slivers
+    ([0.75] * 4 + [0.25] * 2, 4, 0.5, 0.5),
+    # 2 GPUs, 0.6 + 0.6 + 1: the best is to fail one 0.6 (0.4 left), not the 1-GPU task (0.8 left)
+    ([0.6, 0.6, 1.0], 2, 0.4, 0.8),
+    # nothing above half a GPU: no bound from this argument
+    ([0.5, 0.5, 0.25, 1.0], 2, 0.0, 0.0),
+])
+def test_stranding_floor_is_the_least_any_placement_can_leave_on_hand_made_arrivals(
+        gpus, capacity, floor, all_placed):
+    f = stranding_floor(_tasks(gpus), capacity)
+    assert f["floor_gpus"] == pytest.approx(floor) and f["floor"] == pytest.approx(floor / capacity)
+    assert f["if_all_placed_gpus"] == pytest.approx(all_placed)
+    with pytest.raises(ValueError, match="capacity"):
+        stranding_floor(_tasks(gpus), 0)
+
+
+def test_no_policy_strands_less_than_the_floor_on_a_synthetic_trace():
+    d = Devices(*uniform_cluster(6))
+    tasks = synthetic_sharing_trace(200, seed=4)
+    arrived, demand = [], 0.0
+    for t in tasks:
+        arrived.append(t)
+        demand += t.request.total_gpu
+        if demand >= d.total_gpus:
+            break
+    floor = stranding_floor(arrived, d.total_gpus)["floor"]
+    assert floor > 0  # the mix has 0.81-GPU tasks, whose slivers few tasks fit
+    for p in POLICIES:
+        assert saturate(tasks, d, p)["stranded"] >= floor - 1e-9, p
 
 
 def test_synthetic_trace_is_seeded_and_follows_the_documented_mix():

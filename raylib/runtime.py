@@ -31,7 +31,9 @@ def connect(
     address: None -> RAY_ADDRESS if set, else start an embedded local cluster (a new one, never
     one found through /tmp/ray/ray_current_cluster); "auto" or "ray://..." or "host:port" -> join
     that cluster. log_to_driver=False keeps the workers' logs out of this process (notebooks: a
-    progress bar instead of a wall of logs; the logs stay in the Ray session's log files).
+    progress bar instead of a wall of logs; the logs stay in the Ray session's log files); an
+    embedded cluster started so runs without Ray's log monitor, so no driver of it (this one, or a
+    job submitted to it) gets its workers' output forwarded.
     """
     import ray
 
@@ -89,6 +91,12 @@ def connect(
                 _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
                 **kwargs,
             )
+        if not log_to_driver:
+            # Ray's log monitor forwards the workers' output to drivers that asked for it. This
+            # cluster is this process's own and this driver did not ask: the monitor would only
+            # rescan the session's log directory 10 times a second beside the ranks (bert-mini on
+            # 2 cores: tokens/s +1.5%, 4 of 4 paired rounds). The logs stay in their files.
+            ray._private.worker._global_node.kill_log_monitor(check_alive=False)
     return ray.cluster_resources()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -104,6 +105,49 @@ def test_the_embedded_cluster_starts_no_idle_workers_ahead_of_need(ray_local):
     config = state.get_system_config()
     assert config.get("prestart_worker_first_driver") is False, config
     assert config.get("enable_worker_prestart") is False, config
+
+
+def test_an_embedded_cluster_without_log_forwarding_runs_no_log_monitor(ray_local):
+    """raylib.run starts its cluster with log_to_driver=False: nobody reads what Ray's log monitor
+    forwards, so it is stopped (it rescans the log directory 10 times a second beside the ranks).
+    The session's cluster (log_to_driver=True) keeps its monitor; a fresh one in a subprocess runs
+    tasks and shuts down cleanly without it."""
+    import subprocess
+    import sys
+
+    import ray
+
+    def monitors(session_dir: str) -> list[str]:
+        out = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if "log_monitor.py" in cmd and session_dir in cmd:
+                out.append(pid)
+        return out
+
+    assert monitors(ray._private.worker._global_node.get_session_dir_path())  # log_to_driver=True
+    script = (
+        "import os, ray\n"
+        "from raylib import runtime\n"
+        "runtime.connect(log_to_driver=False)\n"
+        "assert ray.get(ray.remote(lambda: 41 + 1).remote()) == 42\n"
+        "print(ray._private.worker._global_node.get_session_dir_path(), flush=True)\n"
+        "input()\n"  # the test looks at the processes while the cluster runs
+        "ray.shutdown()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "RAY_ADDRESS": ""})
+    try:
+        session = child.stdout.readline().strip()
+        assert session.startswith("/"), f"the child printed {session!r}"
+        assert os.path.isdir(session)
+        assert monitors(session) == []
+    finally:
+        child.communicate("\n", timeout=120)
+    assert child.returncode == 0
 
 
 def test_infeasible_requests_fail_before_reserving(tiny_dataset, tmp_path, ray_local):

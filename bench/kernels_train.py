@@ -14,7 +14,7 @@ seed and data: the eager and fused loss curves are compared too (dropout masks d
 draws its own, so the curves agree to dropout noise, not bit for bit).
 
 Prints JSON (stdout): "targets" (end-to-end fused/eager samples/s >= 1.15 at bert-base), then the
-per-preset, per-mode figures. Imported by bench/kernels.py (`e2e(...)`).
+per-preset, per-mode figures. Imported by bench/fused_kernels.py (`e2e(...)`).
 """
 
 from __future__ import annotations

@@ -469,7 +469,7 @@ class StrategySpec(_Section):
     """The model's ops: eager (as transformers builds it), fused (raylib.ops' fused kernels: bias +
     GeLU, dropout + residual + LayerNorm, RMSNorm, the LM head's linear + cross-entropy on the
     labelled rows, SDPA attention; C++ on CPU, Triton on CUDA), auto (per op the path
-    bench/kernels.py measured fastest on this device), compile (torch.compile of each block)."""
+    bench/fused_kernels.py measured fastest on this device), compile (torch.compile of each block)."""
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
     """Gradient compression of the data-parallel reduction (method none: DeepSpeed's own)."""
     deepspeed_config: str | dict[str, Any] | None = None

@@ -440,7 +440,7 @@ def measure(rows: int = 8 * 512, hidden: int = 768, vocab: int = 30522, label_fr
     """Peak memory (bytes above the inputs, one fresh process per path: RSS high-water mark on
     CPU, torch.cuda's peak on GPU) and the best of `repeats` forward+backward seconds (none with
     repeats=0) of each path, plus each path's ratios to the first one (the reference). For
-    bench/kernels.py; `main()` prints them."""
+    bench/fused_kernels.py; `main()` prints them."""
     out: dict = {"rows": rows, "hidden": hidden, "vocab": vocab, "label_frac": label_frac, "dtype": dtype,
                  "device": device, "paths": {}}
     for path in paths:

@@ -10,7 +10,7 @@ The forward of the few parents whose data flow changes (BertOutput: dense -> dro
 replaced on the instance, not the class. `KernelPatch.undo()` puts every original back.
 
 Modes: eager (nothing patched: the model as transformers builds it), fused (each op's fastest
-path that runs here, see dispatch.choose), auto (per op, the path bench/kernels.py measured
+path that runs here, see dispatch.choose), auto (per op, the path bench/fused_kernels.py measured
 fastest on this device, else fused's choice), compile (torch.compile of each transformer block,
 the ops left as the reference so inductor fuses them itself)."""
 
@@ -42,7 +42,7 @@ def dtype_of(precision: str) -> torch.dtype:
 
 
 def auto_table_path() -> Path:
-    """Where bench/kernels.py records, per device type, each op's fastest path (kernels: auto)."""
+    """Where bench/fused_kernels.py records, per device type, each op's fastest path (kernels: auto)."""
     root = os.environ.get("RAYLIB_KERNELS_CACHE") or os.path.join(Path.home(), ".cache", "raylib", "kernels")
     return Path(root) / "auto.json"
 

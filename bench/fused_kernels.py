@@ -1,7 +1,7 @@
 """The fused ops (raylib.ops) against eager PyTorch and torch.compile, per op, on this machine.
 
-    python bench/kernels.py                         # every op, BERT-base/large layer shapes
-    python bench/kernels.py --ops bias_gelu rms_norm --rounds 5 --no-memory
+    python bench/fused_kernels.py                         # every op, BERT-base/large layer shapes
+    python bench/fused_kernels.py --ops bias_gelu rms_norm --rounds 5 --no-memory
 
 Per op and shape: forward+backward time of
   eager    the op's PyTorch reference under autograd (what an unpatched model runs; dropout is

@@ -261,6 +261,10 @@ class Family:
         env = {**os.environ, "DS_ACCELERATOR": "cpu",
                "OMP_NUM_THREADS": str(int(self.spec.scaling.cpus_per_worker)), **worker_env(allocator)}
         env.pop("PYTHONPATH", None)  # nothing of raylib's on its path (it imports none of it anyway)
+        # as from an activated venv: DeepSpeed's JIT build of its shm op runs the venv's ninja, the
+        # one raylib's workers run (ds_ops.use_this_pythons_ninja), not a system ninja whose build
+        # log the venv's discards (each would rebuild the op after the other: 30 s of startup)
+        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={self.spec.world_size}", str(REPO / "bench/bare_families.py"),
                "--data", self.spec.data.path, "--task", self.spec.task.type,

@@ -87,6 +87,7 @@ def run_bare(args, spec: JobSpec, workdir: Path) -> dict:
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **worker_env(args.bare_allocator)}
     env.pop("PYTHONPATH", None)  # nothing of raylib's on its path (it imports none of it anyway)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # the venv's ninja
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={spec.world_size}", str(REPO / "bench/bare_deepspeed.py"),
            "--data", spec.data.path,

@@ -40,8 +40,9 @@ plain Python process vs a fresh Ray worker process as each imports what a rank i
 Each round runs every family's three variants; the order of the families and of the variants
 rotates from round to round so that machine noise and start-up order hit both alike (use --rounds
 3 or more). Figures are medians over rounds. Prints JSON on stdout (nothing else): "targets"
-(tokens_per_s_ratio_<family>: raylib / bare tokens/s, >= 0.97), then per family the side-by-side
-figures and the raw per-round ones.
+(tokens_per_s_ratio_<family>: raylib / bare tokens/s, >= 0.97; beside it the median of the ratios
+within each round, robust to a host whose load drifts), then per family the side-by-side figures and
+the raw per-round ones.
 """
 
 from __future__ import annotations
@@ -428,6 +429,10 @@ def main() -> None:
                         for k in range(args.workers)]
 
             tps = {v: med(v, "tokens_per_s") for v in VARIANTS}
+            # each round runs the variants back to back: a ratio within a round cancels the host's
+            # load drifting over minutes (a shared VM here: rounds of one variant differ by 10-20%)
+            paired = {v: [a["tokens_per_s"] / b["tokens_per_s"] for a, b in
+                          zip(rounds[f]["raylib"], rounds[f][v], strict=True)] for v in VARIANTS[1:]}
             mem = {v: peaks(v) for v in VARIANTS}
             job = jobs[f]
             per_family[f] = {
@@ -437,6 +442,7 @@ def main() -> None:
                 "tokens_per_s": tps,
                 "tokens_per_s_ratio": tps["raylib"] / tps["bare"],
                 "tokens_per_s_ratio_vs_bare_jemalloc": tps["raylib"] / tps["bare_jemalloc"],
+                "tokens_per_s_ratio_per_round": paired,
                 "step_time_s": {v: med(v, "step_time_s") for v in VARIANTS},
                 "step_time_ratio_bare_over_raylib": med("bare", "step_time_s") / med("raylib", "step_time_s"),
                 "peak_memory_mib_per_rank": mem,
@@ -450,11 +456,14 @@ def main() -> None:
             targets[f"tokens_per_s_ratio_{f}"] = {
                 "value": tps["raylib"] / tps["bare"], "target": ">= 0.97",
                 "value_vs_bare_jemalloc": tps["raylib"] / tps["bare_jemalloc"],
+                "value_paired": statistics.median(paired["bare"]),
+                "value_paired_vs_bare_jemalloc": statistics.median(paired["bare_jemalloc"]),
                 "what": f"{args.presets[f]} ({job.spec.task.type}): raylib tokens/s / bare DeepSpeed "
                         "+ torchrun tokens/s, same model, data, DeepSpeed config and world size "
                         f"(median of {args.rounds} rounds); raylib at its defaults (CPU workers: "
                         "jemalloc), bare as a user runs it (glibc malloc); value_vs_bare_jemalloc: "
-                        "against bare with the same jemalloc preload (the wrapper's own cost)"}
+                        "against bare with the same jemalloc preload (the wrapper's own cost); "
+                        "value_paired*: the median over rounds of the ratio within each round"}
         print(json.dumps({
             "benchmark": "models",
             "targets": targets,

@@ -84,11 +84,14 @@ def stranded(clusters: dict) -> dict:
     for name, make in clusters.items():
         cap = make().total_gpus
         by_policy = {p: [] for p in POLICIES}
+        pieces = {p: [] for p in POLICIES}
         offline, cpu_asked, floors = [], [], []
         for seed in SEEDS:
             tasks = synthetic_sharing_trace(int(cap * 1.5) + 200, seed=seed)
             for p in POLICIES:
-                by_policy[p].append(saturate(tasks, make(), p)["stranded"])
+                r = saturate(tasks, make(), p)
+                by_policy[p].append(r["stranded"])
+                pieces[p].append(r["unallocated_by_piece"])
             arrived = _arrivals(tasks, cap)
             floors.append(stranding_floor(arrived, cap))
             asked = sum(t.request.cpu * t.request.count for t in arrived)
@@ -105,6 +108,9 @@ def stranded(clusters: dict) -> dict:
                      # of more than half a GPU is placed, as an online policy does until near full
                      "floor_any_policy": statistics.mean(f["floor"] for f in floors),
                      "floor_if_all_placed": statistics.mean(f["if_all_placed"] for f in floors),
+                     # where each policy leaves it (share_sim.free_pieces), mean over the seeds
+                     "by_piece": {p: {k: {m: statistics.mean(s[k][m] for s in v) for m in v[0][k]}
+                                      for k in v[0]} for p, v in pieces.items()},
                      "per_seed": by_policy}
         if offline:
             out[name]["offline_fgd_largest_first"] = statistics.mean(offline)
@@ -259,6 +265,14 @@ def main() -> None:
                            / flex["overloaded"]["fixed"]["avg_jct_s"], 3),
             "target": "report", "what": "the same at offered load ~2 (the queue never empties)"},
     }
+    slivers = {p: paper["by_piece"][p]["sliver"]["share"] for p in ("fgd", "best-fit")}
+    targets["stranded_above_slivers_vs_best_fit"] = {
+        "value": round((paper["stranded_share"]["fgd"] - slivers["fgd"])
+                       / (paper["stranded_share"]["best-fit"] - slivers["best-fit"]), 3),
+        "target": "report",
+        "what": f"unallocated capacity outside slivers (< 0.2 GPU free on a device: fgd "
+                f"{100 * slivers['fgd']:.2f}%, best-fit {100 * slivers['best-fit']:.2f}% of the GPUs), "
+                "raylib's / best-fit's"}
     for name, v in strand.items():
         if name.startswith("Alibaba"):
             targets["stranded_vs_best_fit_pai"] = {

@@ -44,8 +44,8 @@ from raylib.placement.sharing import (
 
 __all__ = [
     "ALIBABA_MACHINE_SPEC", "OPENB_NODE_TYPES", "ShareResult", "Task", "cluster_from_machine_spec",
-    "compare_sharing", "offered_load", "openb_cluster", "saturate", "simulate_sharing", "stranding_floor",
-    "synthetic_sharing_trace", "uniform_cluster",
+    "compare_sharing", "free_pieces", "offered_load", "openb_cluster", "saturate", "simulate_sharing",
+    "stranding_floor", "synthetic_sharing_trace", "uniform_cluster",
 ]
 
 ALIBABA_MACHINE_SPEC = (Path(__file__).resolve().parents[3] / "shared" / "traces" / "alibaba_gpu_v2020"
@@ -188,8 +188,9 @@ def saturate(tasks: Sequence[Task], devices: Devices, policy: str, mix: Mix | No
     Returns policy, placed, failed (tasks that did not fit when they arrived; later ones are
     still tried), the curve of (arrived GPU demand, unallocated GPU capacity), both as shares of
     the cluster's GPUs, and at the first task that brings arrived demand to 100% of capacity:
-    `stranded` (unallocated share), `stranded_gpus`, `failed_at_full` and `frag_at_full_gpus`
-    (F(M) then); these are None if the tasks never reach 100%. mix: FGD's target workload,
+    `stranded` (unallocated share), `stranded_gpus`, `failed_at_full`, `frag_at_full_gpus`
+    (F(M) then) and `unallocated_by_piece` (`free_pieces`: where that capacity is left); these are
+    None if the tasks never reach 100%. mix: FGD's target workload,
     by default the mix of all `tasks` (as the paper does). `devices` is not changed."""
     _check_policy(policy)
     d = devices.copy()
@@ -202,7 +203,7 @@ def saturate(tasks: Sequence[Task], devices: Devices, policy: str, mix: Mix | No
     curve_demand: list[float] = []
     curve_free: list[float] = []
     out: dict = {"policy": policy, "stranded": None, "stranded_gpus": None, "failed_at_full": None,
-                 "frag_at_full_gpus": None}
+                 "frag_at_full_gpus": None, "unallocated_by_piece": None}
     for t in tasks:
         demand += t.request.total_gpu
         slots = d.place(t.request, policy, mix)
@@ -215,9 +216,29 @@ def saturate(tasks: Sequence[Task], devices: Devices, policy: str, mix: Mix | No
         curve_free.append(d.free_gpus / cap)
         if out["stranded"] is None and demand >= cap - EPS:
             out.update(stranded=d.free_gpus / cap, stranded_gpus=d.free_gpus, failed_at_full=failed,
-                       frag_at_full_gpus=d.fragmentation(mix))
+                       frag_at_full_gpus=d.fragmentation(mix), unallocated_by_piece=free_pieces(d))
     out.update(tasks=len(tasks), placed=placed, failed=failed,
                curve={"demand": curve_demand, "unallocated": curve_free})
+    return out
+
+
+PIECES = (("sliver", 0.0, 0.2), ("partial", 0.2, 1.0), ("whole", 1.0, math.inf))
+"""How free GPU capacity is classed by the free fraction of its device: a sliver (< 0.2 GPU: only
+the smallest fractions of the openb mix fit it), a partly used device, or an idle one."""
+
+
+def free_pieces(devices: Devices) -> dict[str, dict[str, float]]:
+    """The cluster's free GPU capacity by piece (`PIECES`), as shares of its GPUs, split by whether
+    the node still has a CPU free (`cpu_blocked`: less than one CPU left, so no task of the openb mix,
+    all of which ask for one or more, can use it whatever its size)."""
+    cap = devices.total_gpus
+    free = devices._free
+    blocked = (devices.cpu_free < 1 - EPS)[:, None] & (free > EPS)
+    out: dict[str, dict[str, float]] = {}
+    for name, lo, hi in PIECES:
+        piece = (free >= lo - EPS) & (free < hi - EPS) & (free > EPS)
+        out[name] = {"share": float(free[piece].sum()) / cap,
+                     "cpu_blocked": float(free[piece & blocked].sum()) / cap}
     return out
 
 

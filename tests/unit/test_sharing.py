@@ -12,6 +12,7 @@ from raylib.placement.share_sim import (
     Task,
     cluster_from_machine_spec,
     compare_sharing,
+    free_pieces,
     offered_load,
     openb_cluster,
     saturate,
@@ -370,6 +371,23 @@ def test_saturate_reports_unallocated_capacity_when_demand_reaches_the_cluster()
     assert r["curve"]["demand"] == pytest.approx([0.1875, 0.375, 0.5625, 0.75, 1.0, 1.0625])
     assert r["curve"]["unallocated"] == pytest.approx([0.8125, 0.625, 0.4375, 0.25, 0.25, 0.1875])
     assert saturate(tasks[:2], Devices([2, 2]), "fgd")["stranded"] is None  # never reached 100%
+    # at 100% the unallocated GPU is four quarters of partly used devices, on nodes with CPUs left
+    assert r["unallocated_by_piece"] == {"sliver": {"share": 0.0, "cpu_blocked": 0.0},
+                                         "partial": {"share": 0.25, "cpu_blocked": 0.0},
+                                         "whole": {"share": 0.0, "cpu_blocked": 0.0}}
+
+
+def test_free_pieces_class_free_capacity_by_device_and_whether_its_node_has_a_cpu_left():
+    d = Devices([2, 1, 1], cpus=[4, 8, 2])
+    d.free[0][:] = [0.15, 1.0]
+    d.free[1][:] = [0.5]
+    d.cpu_free[1] = 0.5  # no task of the openb mix (each asks >= 1 CPU) can use node 1's half GPU
+    d.free[2][:] = [0.0]
+    p = free_pieces(d)
+    assert p["sliver"] == {"share": pytest.approx(0.15 / 4), "cpu_blocked": 0.0}
+    assert p["partial"] == {"share": pytest.approx(0.5 / 4), "cpu_blocked": pytest.approx(0.5 / 4)}
+    assert p["whole"] == {"share": pytest.approx(1 / 4), "cpu_blocked": 0.0}
+    assert sum(v["share"] for v in p.values()) == pytest.approx(d.free_gpus / d.total_gpus)
 
 
 def _tasks(gpus):

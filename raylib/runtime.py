@@ -91,6 +91,7 @@ def connect(
                 _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
                 **kwargs,
             )
+        _embedded["node"] = ray._private.worker._global_node
         if not log_to_driver:
             # Ray's log monitor forwards the workers' output to drivers that asked for it. This
             # cluster is this process's own and this driver did not ask: the monitor would only
@@ -98,6 +99,18 @@ def connect(
             # 2 cores: tokens/s +1.5%, 4 of 4 paired rounds). The logs stay in their files.
             ray._private.worker._global_node.kill_log_monitor(check_alive=False)
     return ray.cluster_resources()
+
+
+_embedded: dict[str, Any] = {}  # the local cluster this process started (connect)
+
+
+def embedded() -> bool:
+    """Whether the connected cluster is the embedded one this process started: one local node,
+    no autoscaler."""
+    import ray
+
+    node = _embedded.get("node")
+    return node is not None and node is ray._private.worker._global_node
 
 
 @contextlib.contextmanager

@@ -136,7 +136,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
                          part_spec.world_size, spec.elastic_sizes(), ds_config["gradient_accumulation_steps"])
             gpus = worker_gpus(spec, on_gpu)
             try:
-                trainer = _trainer_class(_a_driver_runs_this())(
+                trainer = _trainer_class(_a_driver_runs_this(), runtime.embedded())(
                     worker_loop,
                     train_loop_config={**loop_config(part_spec, ds_config),
                                        "gang": _gang_handle(reservation, resource)},
@@ -216,7 +216,7 @@ def report_poll_s() -> float:
 
 
 @functools.cache
-def _trainer_class(without_cleaner: bool):
+def _trainer_class(without_cleaner: bool, without_requests: bool):
     """TorchTrainer without helper actors Ray Train starts for every run, each a process of its
     own (2-3 CPU-s apiece, a tenth of a small run's):
     - Ray Data's DatasetManager when the run passes no datasets (the rank reader, the default);
@@ -225,16 +225,25 @@ def _trainer_class(without_cleaner: bool):
       both the controller and its job are gone). In a driver process the driver does that instead
       (remove_orphaned_placement_groups, from the ids RunForwarder sends it), and a driver that
       dies ends its job. A run inside an actor (a Tune trial, which Tune stops by ending its
-      process) keeps the cleaner: nothing of the trial is left to remove it."""
+      process) keeps the cleaner: nothing of the trial is left to remove it;
+    - with `without_requests` (an embedded cluster, which no autoscaler watches), the autoscaling
+      coordinator the run's resource requests would go through (raylib.train.scaling)."""
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from raylib.train.scaling import FixedSize
 
     class Trainer(TorchTrainer):
         def _create_default_callbacks(self):
             dropped = ((PlacementGroupCleanerCallback,) if without_cleaner else ()) + \
                 (() if self.datasets else (DatasetsCallback,))
             return [c for c in super()._create_default_callbacks() if not isinstance(c, dropped)]
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            if without_requests and not self.scaling_config.elasticity_enabled:
+                controller_init_kwargs["scaling_policy"] = FixedSize(scaling_config=self.scaling_config)
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     return Trainer
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -47,6 +48,28 @@ def _controller_torch_probe(path):
     return Probe()
 
 
+def _autoscaling_coordinator():
+    """Ray's autoscaling coordinator (a detached named actor, created on first use), or None."""
+    import ray
+
+    try:
+        return ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+    except ValueError:
+        return None
+
+
+def _kill_autoscaling_coordinator() -> None:
+    """Remove the coordinator should an earlier test's run (a Tune trial's) have started it."""
+    import ray
+
+    actor = _autoscaling_coordinator()
+    if actor is not None:
+        ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + 60
+        while _autoscaling_coordinator() is not None and time.monotonic() < deadline:
+            pass  # the name is released once the GCS has the actor dead
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_zero_stages_train_and_agree(stage, tiny_dataset, tmp_path, ray_local):
     data = {"tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "64KB"}]} \
@@ -57,8 +80,13 @@ def test_zero_stages_train_and_agree(stage, tiny_dataset, tmp_path, ray_local):
                      strategy={"zero_stage": stage, "kernels": kernels}, data=data,
                      scaling={"host_allocator": allocator})
     probe = tmp_path / "controller-imported-torch"
+    _kill_autoscaling_coordinator()
     result = run(spec, progress=False, callbacks=[_controller_torch_probe(probe)])
     s = result.summary
+    # On the embedded cluster (no autoscaler) the run sent no resource requests, so Ray Train did
+    # not start the autoscaling coordinator that forwards them (raylib.train.scaling); Ray Data's
+    # own autoscaler starts it where a run reads through Ray Data
+    assert (_autoscaling_coordinator() is None) == (data.get("reader") != "ray_data")
     # The controller set up and shut down the workers' process group without importing torch
     # (raylib.train.backend; Ray's TorchConfig imports it: a second of a core per run)
     assert probe.read_text() == "False"

@@ -66,7 +66,7 @@ def job(label: str, preset: str, zero: int, workers: int, micro: int, steps: int
 
 
 def fit_and_score(run_dirs: dict[str, Path]) -> dict:
-    from raylib.perf.calibrate import calibrate, measured_from_summary, replace_cal, score
+    from raylib.perf.calibrate import calibrate, measured_from_summary, misfits, replace_cal, score
     from raylib.perf.estimate import load_run, local_cluster, workload_of
 
     measured = {}
@@ -87,7 +87,7 @@ def fit_and_score(run_dirs: dict[str, Path]) -> dict:
                     "(other preset, ZeRO stage, world size, micro-batch than the calibration runs)"}},
         "held_out_within_15pct": f"{sum(abs(r['error']) <= 0.15 for r in held_rows)}/{len(held_rows)}",
         "calibration": json.loads(fitted.calibration.model_dump_json()),
-        "held_out": held_rows, "calibration_fit": fit_rows,
+        "held_out": held_rows, "calibration_fit": fit_rows, "calibration_misfits": misfits(fit_rows),
         "runs": {k: str(v.relative_to(REPO)) for k, v in run_dirs.items()},
     }
 
@@ -118,6 +118,8 @@ def main() -> int:
             log(f"[{i}/{len(configs)}] {c[0]:<20} step {row['step_time_s'] * 1e3:.0f} ms, MFU "
                 f"{row['mfu']:.1%} ({row['wall_s']:.0f} s)")
     result = fit_and_score(run_dirs)
+    for warning in result["calibration_misfits"]:
+        log(f"warning: {warning}")
     for r in result["held_out"]:
         log(f"held out {r['run']:<20} measured {r['measured_step_s'] * 1e3:7.1f} ms  predicted "
             f"{r['predicted_step_s'] * 1e3:7.1f} ms  {r['error']:+.1%}")

@@ -250,6 +250,26 @@ def replace_cal(cluster: ClusterSpec, calibration: Calibration) -> ClusterSpec:
     return cluster.model_copy(update={"calibration": calibration})
 
 
+MISFIT = 0.3
+"""A run the fitted model misses by more than this is named (misfits): on a 2-core machine a
+run measured beside other work was 1.3-1.9x slower than the same run alone, and skews every term."""
+
+
+def misfits(rows: list[dict[str, Any]], limit: float = MISFIT) -> list[str]:
+    """One warning per calibration run (rows: score's) whose step the fitted model misses by more
+    than `limit`: a run measured while the machine was busy, or one the model cannot describe."""
+    out = []
+    for r in rows:
+        if abs(r["error"]) <= limit:
+            continue
+        why = ("it ran slower than the model says: was the machine busy? Rerun it alone, or calibrate "
+               "without it") if r["error"] < 0 else ("it ran faster than the model says: a term that "
+               "dominates it (the fixed step overhead on a short step?) does not hold for it")
+        out.append(f"run {r['run']}: the fitted model is {r['error']:+.0%} off its measured step "
+                   f"({r['measured_step_s'] * 1e3:.1f} ms); {why}")
+    return out
+
+
 def score(runs: list[Measured], cluster: ClusterSpec) -> list[dict[str, Any]]:
     """Predicted vs measured step time of each run: error = predicted / measured - 1."""
     out = []

@@ -179,7 +179,7 @@ def load_run(run_dir: str | Path):
 
 
 def calibrate_main(args: argparse.Namespace) -> int:
-    from raylib.perf.calibrate import calibrate, measured_from_summary, replace_cal, score
+    from raylib.perf.calibrate import calibrate, measured_from_summary, misfits, replace_cal, score
 
     with contextlib.redirect_stdout(sys.stderr):
         loaded = [load_run(r) for r in args.runs]
@@ -187,9 +187,12 @@ def calibrate_main(args: argparse.Namespace) -> int:
         runs = [measured_from_summary(summary, workload_of(spec), label=str(r))
                 for r, (spec, summary) in zip(args.runs, loaded, strict=True)]
         fitted = replace_cal(cluster, calibrate(runs, cluster))
-    for row in score(runs, fitted):
+    rows = score(runs, fitted)
+    for row in rows:
         print(f"{row['run']}: measured {row['measured_step_s'] * 1e3:.1f} ms, predicted "
               f"{row['predicted_step_s'] * 1e3:.1f} ms ({row['error']:+.1%})")
+    for warning in misfits(rows):
+        print(f"warning: {warning}", file=sys.stderr)
     text = yaml.safe_dump(json.loads(fitted.model_dump_json()), sort_keys=False)
     if args.out:
         Path(args.out).write_text(text)

@@ -13,7 +13,7 @@ from transformers import BertConfig
 from raylib.perf.catalogue import accelerator
 from raylib.perf.cluster import ClusterSpec
 from raylib.perf.model import Workload, predict
-from raylib.perf.published import PUBLISHED
+from raylib.perf.published import DEEPSPEED_TUTORIAL, PUBLISHED
 from raylib.spec import StrategySpec
 from raylib.tune.memory import ModelShape
 
@@ -81,3 +81,44 @@ def test_v100_mixed_precision_figures_are_predicted_within_20_percent_fp32_is_no
     fp32 = {k: e for k, e in errors.items() if k[2] == "fp32"}
     assert len(mixed) == 3 and all(abs(e) <= 0.20 for e in mixed.values()), mixed
     assert len(fp32) == 4 and all(-0.45 <= e <= -0.30 for e in fp32.values()), fp32
+
+
+# DeepSpeed's own BERT runs (raylib/perf/published.py): fused transformer kernels, the MLM head on
+# the masked tokens only (~15% of them: left out here, ~1.4% of the FLOPs), fp16, one V100, gradient
+# accumulation 10 (the blog). Micro-batches from microsoft/DeepSpeedExamples' bing_bert scripts
+# ("This micro batch size assumes 32GB V100 GPUs": 64 at seq 128, 8 at seq 512); the prediction
+# moves under 1% between micro-batches 16 and 64.
+DEEPSPEED_MICRO = {128: 64, 512: 8}
+
+
+def deepspeed_predictions() -> dict[tuple, float]:
+    fit = next(f for f in rows("v100") if f.gpus == 1 and f.seq_len == 128 and f.precision == "fp16")
+    eff = fitted_efficiency("v100", fit)
+    out = {}
+    for f in PUBLISHED:
+        if "deepspeed.ai" not in f.source:
+            continue
+        micro = DEEPSPEED_MICRO[f.seq_len]
+        s = StrategySpec(zero_stage=0, precision="fp16", micro_batch_size=micro,
+                         gradient_accumulation_steps=10, kernels="fused")
+        shape = ModelShape(params=336_000_000, largest_module_params=30522 * 1024, layers=24, hidden=1024,
+                           heads=16, intermediate=4096, vocab=30522, seq_len=f.seq_len)
+        w = Workload(config=BERT_LARGE, shape=shape, strategy=s, world=1, micro_batch=micro, accumulation=10,
+                     seq_len=f.seq_len, head=False)
+        out[("tutorial" if f.source == DEEPSPEED_TUTORIAL else "blog", f.seq_len, f.samples_per_s)] = \
+            predict(w, cluster("v100", f, eff)).samples_per_s / f.samples_per_s - 1
+    return out
+
+
+def test_deepspeed_figures_tutorial_within_20_percent_record_kernels_are_not():
+    """The same single V100 efficiency (fitted on NVIDIA's figure) predicts DeepSpeed's tutorial
+    run (200 samples/s at seq 128) within 20%; DeepSpeed's record runs (272 and 52 samples/s: 64
+    and 53 TFLOPS, 51% and 42% of the tensor-core peak, against NVIDIA's code's 33%) are predicted
+    ~31% and ~22% slow: its hand-written kernels gain more than the model's fusion term (half the
+    element-wise bytes) credits. Recorded as a known miss (README), asserted so a change shows."""
+    errors = deepspeed_predictions()
+    assert len(errors) == 3, errors
+    tutorial = {k: e for k, e in errors.items() if k[0] == "tutorial"}
+    record = {k: e for k, e in errors.items() if k[0] == "blog"}
+    assert len(tutorial) == 1 and all(abs(e) <= 0.20 for e in tutorial.values()), tutorial
+    assert len(record) == 2 and all(-0.40 <= e <= -0.15 for e in record.values()), record

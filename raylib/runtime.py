@@ -70,8 +70,9 @@ def connect(
             **(runtime_env or {}),
             # Ray Train's preemption watcher (an actor per run polling the nodes' drain state)
             # has no node to watch here: this one node is the driver's own and ends with it
+            # and its workers (a Tune trial running a Trainer) know the cluster is the embedded one
             "env_vars": {"RAY_API_SERVER_ADDRESS": api_server, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-                         **(runtime_env or {}).get("env_vars", {})},
+                         EMBEDDED_ENV: "1", **(runtime_env or {}).get("env_vars", {})},
         }
         # raylib starts this cluster for the user: Ray's note that token auth is on (it stays on)
         # is not theirs to act on
@@ -102,15 +103,20 @@ def connect(
 
 
 _embedded: dict[str, Any] = {}  # the local cluster this process started (connect)
+EMBEDDED_ENV = "RAYLIB_EMBEDDED_CLUSTER"  # set in the embedded cluster's job: its workers see it
 
 
 def embedded() -> bool:
-    """Whether the connected cluster is the embedded one this process started: one local node,
-    no autoscaler."""
+    """Whether the connected cluster is the embedded one: this process started it (connect), or
+    this process is one of that driver's workers (a Tune trial). One local node, no autoscaler."""
     import ray
 
     node = _embedded.get("node")
-    return node is not None and node is ray._private.worker._global_node
+    if node is not None and node is ray._private.worker._global_node:
+        return True
+    worker = ray._private.worker.global_worker
+    return worker.connected and worker.mode == ray._private.worker.WORKER_MODE and \
+        os.environ.get(EMBEDDED_ENV) == "1"
 
 
 @contextlib.contextmanager

@@ -70,6 +70,23 @@ def _kill_autoscaling_coordinator() -> None:
             pass  # the name is released once the GCS has the actor dead
 
 
+def test_the_embedded_clusters_workers_know_it_is_embedded(ray_local):
+    """A Tune trial runs its Trainer in a worker of the embedded cluster: that worker, too, must
+    take the cluster for the embedded one (no autoscaler: no resource requests, so no autoscaling
+    coordinator, raylib.train.scaling), as the driver that started it does."""
+    import ray
+
+    from raylib import runtime
+
+    @ray.remote(num_cpus=0)
+    def worker_sees() -> bool:
+        from raylib import runtime
+
+        return runtime.embedded()
+
+    assert runtime.embedded() and ray.get(worker_sees.remote())
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_zero_stages_train_and_agree(stage, tiny_dataset, tmp_path, ray_local):
     data = {"tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "64KB"}]} \

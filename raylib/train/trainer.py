@@ -54,12 +54,9 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
 
     from raylib import preflight, runtime
     from raylib.data.build import DatasetManifest, build, is_built, read_index
-    from raylib.data.pipeline import check_tiers, with_reader_tiers
     from raylib.data.source import training_dataset
     from raylib.train.backend import ProcessGroupConfig
     from raylib.train.loop import worker_loop
-    from raylib.train.model import model_config
-    from raylib.train.parallel import check_layout
     from raylib.train.progress import ProgressBar
     from raylib.train.strategy import resolve_ds_config
 
@@ -74,8 +71,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
             )
         build(DatasetManifest.load(spec.data.manifest), spec.data.path, progress=progress)
     index = read_index(spec.data.path)
-    config = model_config(spec, index)  # family, overrides, task and data checked against each other
-    check_layout(spec, config)  # tp/pp against the model, the data path and the features
+    config, tiered = check_job(spec, index, address)
     peft_base = None
     if spec.peft is not None:  # peft's settings against the model and task, and the run's base
         from raylib.train.adapter import base_digest, check_base, check_peft
@@ -87,12 +83,9 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
         log.warning("run.eval_every=%d but the dataset at %s has no validation split: no evaluation "
                     "(give its manifest a `validation:` and rebuild with --force)",
                     spec.run.eval_every, spec.data.path)
-    allocator.check(spec.scaling.host_allocator)
     ds_config = resolve_ds_config(spec)  # the one resolution (CPU shape; GPU adjusts the optimizer)
     _check_data_fits(spec, index, ds_config["train_micro_batch_size_per_gpu"])
-    user_spec, spec = spec, with_reader_tiers(spec, index)  # the workers run the second
-    check_tiers(spec, index)
-    preflight.check(spec, index, address)  # shard sizes vs index.json; embedded oversubscription
+    user_spec, spec = spec, tiered  # the workers run the second
 
     # The console shows the driver only (progress bar, raylib's warnings, the summary); worker
     # output stays in Ray's session logs and <run dir>/logs.
@@ -456,6 +449,26 @@ def last_checkpoint(spec: JobSpec, run_dir: Path) -> str:
     if not dirs:
         return "No checkpoint was recorded: the run starts from step 0 when run again."
     return f"The last good checkpoint is {dirs[-1]}; running the same job again resumes from it."
+
+
+def check_job(spec: JobSpec, index, address: str | None = None):
+    """The checks of a job on its built dataset that need no cluster (a bad input fails here,
+    before Ray starts or anything is reserved): the model's family, overrides and task against the
+    data; tp/pp against the model; the host allocator; the reader's tiers against the shards they
+    must hold; shard sizes against index.json and, embedded, the CPUs. -> (the model's config,
+    the spec with its reader tiers: what the workers run)."""
+    from raylib import preflight
+    from raylib.data.pipeline import check_tiers, with_reader_tiers
+    from raylib.train.model import model_config
+    from raylib.train.parallel import check_layout
+
+    config = model_config(spec, index)  # family, overrides, task and data checked against each other
+    check_layout(spec, config)  # tp/pp against the model, the data path and the features
+    allocator.check(spec.scaling.host_allocator)
+    tiered = with_reader_tiers(spec, index)
+    check_tiers(tiered, index)
+    preflight.check(tiered, index, address)  # shard sizes vs index.json; embedded oversubscription
+    return config, tiered
 
 
 def _has_checkpoint(run_dir: Path) -> bool:

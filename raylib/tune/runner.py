@@ -49,7 +49,7 @@ def tune(spec: JobSpec, settings: TuneSpec | None = None, address: str | None = 
 
     from raylib import runtime
     from raylib.train.strategy import resolve_ds_config
-    from raylib.train.trainer import decide_gpu
+    from raylib.train.trainer import check_job, decide_gpu
     from raylib.tune import report
     from raylib.tune.space import apply, patch
     from raylib.tune.trial import run_trial
@@ -68,6 +68,7 @@ def tune(spec: JobSpec, settings: TuneSpec | None = None, address: str | None = 
     if settings.objective == "eval_loss" and not index.validation:
         raise ValueError(f"objective eval_loss needs a validation split, and the dataset at {spec.data.path} "
                          "has none; give its manifest a `validation:` and rebuild it with --force")
+    check_job(spec, index, address)  # the job's own bad input fails once, here, not in every trial
     runtime.connect(address, num_cpus_needed=spec.world_size * spec.scaling.cpus_per_worker)
     on_gpu = decide_gpu(spec, ray.cluster_resources())
     global_batch = resolve_ds_config(spec)["train_batch_size"]

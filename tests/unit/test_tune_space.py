@@ -216,3 +216,19 @@ def test_pipeline_stages_are_searched_and_divide_the_memory(cpu):
                          False) for pp in (1, 2))
     weights_and_states = 16 * cpu.shape.params  # fp32 weights, gradients, Adam moments (ZeRO-1: /dp)
     assert one.device_bytes - two.device_bytes >= 0.24 * weights_and_states  # half the weights and grads
+
+
+def test_a_bad_job_fails_once_before_tune_starts_ray(tiny_dataset, tmp_path, monkeypatch):
+    """The job's own bad input (here a cache tier too small for the shards its ranks read) is one
+    clear error before Ray is started, not the same failure in every trial."""
+    from raylib import runtime
+    from raylib.tune.runner import tune
+
+    def connect(*args, **kwargs):
+        raise AssertionError("tune started Ray before checking the job")
+
+    monkeypatch.setattr(runtime, "connect", connect)
+    spec = JobSpec.from_dict({**BASE, "data": {"path": tiny_dataset, "manifest": None, "tiers": [
+        {"name": "hot", "url": str(tmp_path / "hot"), "capacity": "1KB"}]}})
+    with pytest.raises(ValueError, match=r"data\.tiers.*hot.*capacity"):
+        tune(spec, TuneSpec(space={"micro_batch_size": [4, 8]}), out_dir=tmp_path / "tune")

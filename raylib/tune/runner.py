@@ -69,7 +69,10 @@ def tune(spec: JobSpec, settings: TuneSpec | None = None, address: str | None = 
         raise ValueError(f"objective eval_loss needs a validation split, and the dataset at {spec.data.path} "
                          "has none; give its manifest a `validation:` and rebuild it with --force")
     check_job(spec, index, address)  # the job's own bad input fails once, here, not in every trial
-    runtime.connect(address, num_cpus_needed=spec.world_size * spec.scaling.cpus_per_worker)
+    # the console is the driver's (Tune's table, one line per trial, the best): the trials' workers
+    # log to Ray's session logs and their run directories, as `raylib run`'s do
+    runtime.connect(address, num_cpus_needed=spec.world_size * spec.scaling.cpus_per_worker,
+                    log_to_driver=False)
     on_gpu = decide_gpu(spec, ray.cluster_resources())
     global_batch = resolve_ds_config(spec)["train_batch_size"]
     base = _portable(spec)

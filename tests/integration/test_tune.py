@@ -141,6 +141,8 @@ def test_every_configuration_runs_or_is_recorded(tuning):
     assert all(0 < r["eval_loss"] < 10 and r["samples_per_s"] > 0 and r["peak_gib"] > 0.1 for r in trials)
     assert trials[0]["eval_loss"] <= trials[1]["eval_loss"]  # best first
     assert "NaN or Inf" not in tuning["stderr"]  # Tune's TensorBoard logger keeps off the console
+    # and so do the trials' workers (their logs stay in Ray's session logs and the run directories)
+    assert "(RayTrainWorker pid=" not in tuning["stdout"] + tuning["stderr"]
     assert all(r["micro_batch_size"] * r["gradient_accumulation_steps"] * 2 == 16 for r in trials)
     # Offloading to CPU is meaningless when training on CPU, and masked-LM has no virtual tokens:
     # recorded with the reason, never launched.

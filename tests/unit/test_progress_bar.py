@@ -1,0 +1,42 @@
+"""The driver's progress bar (raylib.train.progress.ProgressBar): its rate and time left."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from tqdm import tqdm
+
+from raylib.train.progress import ProgressBar
+
+pytestmark = pytest.mark.unit
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_time_left_does_not_average_in_the_start_up():
+    """38 s of start-up, then a report every 0.5 s per 10 steps (the demo's pace): at the second
+    report the bar says ~9 s left for the 180 steps to go, not the 11 minutes that a rate over the
+    start-up gives."""
+    clock = Clock()
+    bar = ProgressBar(200)
+    bar._bar = tqdm(total=200, file=io.StringIO(), mininterval=0, miniters=1)
+    bar._bar._time = clock
+    bar._bar.reset()  # created at the clock's time, as in __enter__
+    clock.now += 38.0  # the cluster and the workers start
+    bar.show({"step": 10, "loss": 5.0})
+    first = bar._bar.format_dict
+    assert first["n"] - first["initial"] == 0 and first["rate"] is None  # no rate yet, not 3.8 s/step
+    clock.now += 0.5
+    bar.show({"step": 20, "loss": 4.9})
+    d = bar._bar.format_dict
+    rate = d["rate"] or (d["n"] - d["initial"]) / d["elapsed"]
+    assert d["n"] == 20 and rate == pytest.approx(20.0)
+    assert (d["total"] - d["n"]) / rate == pytest.approx(9.0)
+    assert "00:09" in tqdm.format_meter(**d)  # what the console shows as the time left

@@ -5,10 +5,13 @@ starting, one progress bar (steps, loss, samples/s, data wait), the warnings tha
 failing, a restart, a preemption) and the summary. Everything the workers log or print stays in
 Ray's session logs and, per rank, in <run dir>/logs/rank-N.log (`worker_logs`).
 
-Two senders share one Ray queue, which a driver thread drains into the bar and into warnings
-printed above it: rank 0 puts its progress (every run.log_every steps) on it itself through a
-`ProgressChannel`, and `RunForwarder`, a Ray Train callback (V2 calls them in its controller
-actor, not in the driver), puts the controller's restarts / preemptions / rescheduling there.
+Two senders share one mailbox (`Mailbox`: the run's keys in the GCS's key-value store), which a
+driver thread polls every POLL_S into the bar and into warnings printed above it: rank 0 puts its
+progress (every run.log_every steps) there itself through a `ProgressChannel`, and `RunForwarder`,
+a Ray Train callback (V2 calls them in its controller actor, not in the driver), puts the
+controller's restarts / preemptions / rescheduling there. Not a queue actor: an actor is a process
+of its own whose core worker wakes every 10 ms even when idle (Ray's signal check), ~0.01 of a core
+taken from the ranks for the whole run; the GCS is already there, and a put is one 0.3 ms call.
 Progress does not travel as Ray Train reports: the controller collects those only once per poll
 (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s), so the loop reports to Ray Train at most that often
 (raylib.train.loop.ReportCadence).
@@ -17,58 +20,109 @@ Progress does not travel as Ray Train reports: the controller collects those onl
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
-import queue as std_queue
+import pickle
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
-from ray.util.queue import Empty, Queue
 
 log = logging.getLogger(__name__)
 
 RUN_LOG_HANDLER = "raylib-run-log"
-DRAIN_WAIT_S = 30.0
+NAMESPACE = b"raylib_progress"
+POLL_S = 1.0  # how soon the bar shows an event (each poll: ~1.5 ms of the driver, 2 GCS calls)
+PUT_TIMEOUT_S = 2.0  # a sender never waits longer on an unreachable GCS
+
+# a sender's keys: <run token>/<time ns>/<sender>/<seq>, so that the driver reads them in time order
+# and no two senders' keys collide (each process is a sender of its own)
+_SENDER = uuid.uuid4().hex[:12]
+_SEQ = itertools.count()
+_last_ns = 0
 
 
-_SETTLED = "settled"  # the driver's own last event: everything put before it has been shown
+def _stamp() -> int:
+    """Now in ns, never behind this process's last stamp (a clock stepped back by NTP must not put
+    a sender's later event before its earlier one)."""
+    global _last_ns
+    _last_ns = max(_last_ns + 1, time.time_ns())
+    return _last_ns
+
+
+class Mailbox:
+    """One run's events in the GCS's key-value store, under the run's token: senders (rank 0, the
+    Ray Train controller) put, the driver's bar takes them in time order. Picklable (its token only),
+    so it travels in the training loop's config and in the run config's callbacks."""
+
+    def __init__(self, token: str):
+        self.token = token
+        self.prefix = f"{token}/".encode()
+
+    def put(self, event: dict[str, Any]) -> None:
+        """One call to the GCS; never raises (nobody to tell) and never waits over PUT_TIMEOUT_S."""
+        from ray.experimental import internal_kv
+
+        key = self.prefix + f"{_stamp():020d}/{_SENDER}/{next(_SEQ):09d}".encode()
+        try:
+            gcs = internal_kv.global_gcs_client
+            if gcs is None:  # a Ray Client driver: its calls go through the client's server
+                internal_kv._internal_kv_put(key, pickle.dumps(event), namespace=NAMESPACE)
+            else:
+                gcs.internal_kv_put(key, pickle.dumps(event), True, NAMESPACE, timeout=PUT_TIMEOUT_S)
+        except Exception as e:
+            log.debug("progress event not sent: %s", e)
+
+    def take(self) -> list[dict[str, Any]]:
+        """The events put so far, oldest first; each is taken (deleted) as it is read."""
+        from ray.experimental import internal_kv
+
+        events = []
+        for key in sorted(internal_kv._internal_kv_list(self.prefix, namespace=NAMESPACE)):
+            value = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+            internal_kv._internal_kv_del(key, namespace=NAMESPACE)
+            if value is not None:
+                events.append(pickle.loads(value))
+        return events
+
+    def close(self) -> None:
+        """Delete whatever is left under the token (events nobody will read)."""
+        from ray.experimental import internal_kv
+
+        with contextlib.suppress(Exception):
+            internal_kv._internal_kv_del(self.prefix, del_by_prefix=True, namespace=NAMESPACE)
 
 
 class ProgressChannel:
-    """Rank 0's end of the driver's queue (pickled into the training loop's config): one
-    fire-and-forget call per progress event; the training loop never waits on the driver."""
+    """Rank 0's end of the driver's mailbox (pickled into the training loop's config): one put per
+    progress event; the training loop never waits on the driver."""
 
-    def __init__(self, reports: Queue, token: str):
-        self.reports, self.token = reports, token
+    def __init__(self, mailbox: Mailbox):
+        self.mailbox = mailbox
 
     def send(self, metrics: dict[str, Any], checkpoint: bool = False) -> None:
-        try:
-            self.reports.actor.put_nowait.remote({**metrics, "event": "report", "checkpoint": checkpoint,
-                                                  "run_token": self.token})
-        except Exception:  # the driver is gone: nobody to tell
-            pass
+        self.mailbox.put({**metrics, "event": "report", "checkpoint": checkpoint})
 
 
 class RunForwarder(ControllerCallback, WorkerGroupCallback):
     """Runs in the Ray Train controller: forwards the run's failures and its worker groups'
     placement groups (which the driver removes should the controller die) to the driver.
 
-    Never raises (a failing callback would fail the run) and never blocks the controller's loop:
-    each event is one fire-and-forget call to the queue actor."""
+    Never raises (a failing callback would fail the run) and holds the controller's loop for one
+    GCS put (~0.3 ms) per event."""
 
-    def __init__(self, reports: Queue, token: str = ""):
-        self.reports, self.token = reports, token  # the token tells this run's events from a late one's
+    def __init__(self, mailbox: Mailbox | None):
+        self.mailbox = mailbox
         self.max_failures = 0
         self.failures = 0
 
     def _send(self, event: dict[str, Any]) -> None:
-        try:
-            self.reports.actor.put_nowait.remote({**event, "run_token": self.token})
-        except Exception:  # the driver is gone: nobody to tell
-            pass
+        if self.mailbox is not None:
+            self.mailbox.put(event)
 
     def after_controller_start(self, train_run_context) -> None:
         with contextlib.suppress(Exception):
@@ -165,33 +219,32 @@ class ProgressBar:
         from tqdm.auto import tqdm
         from tqdm.contrib.logging import logging_redirect_tqdm
 
-        self._reports = _queues.take()
-        self._token = uuid.uuid4().hex
-        self.callback = RunForwarder(self._reports, self._token)
-        self.channel = ProgressChannel(self._reports, self._token)
+        self._mailbox = Mailbox(uuid.uuid4().hex)  # a run of its own: an earlier run's late events
+        self.callback = RunForwarder(self._mailbox)  # go under that run's token, never shown here
+        self.channel = ProgressChannel(self._mailbox)
         self._bar = tqdm(total=self.total, desc=self.desc, unit="step", disable=not self.enabled)
         # log lines (raylib's "training ...", the warnings below) print above the bar, not into it
         self._redirect = logging_redirect_tqdm(tqdm_class=tqdm) if self.enabled else contextlib.nullcontext()
         self._redirect.__enter__()
-        self._thread = threading.Thread(target=self._drain, daemon=True, name="raylib-progress")
+        self._stop = threading.Event()
+        self._taking = threading.Lock()  # the poller's take and settle's last one, one at a time
+        self._thread = threading.Thread(target=self._poll, daemon=True, name="raylib-progress")
         self._thread.start()
         return self
 
-    def _drain(self) -> None:
-        # One blocking get at a time (the queue actor wakes it when an event arrives): an idle
-        # queue costs one call per DRAIN_WAIT_S, not a poll per fraction of a second.
-        while True:
+    def _poll(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self._take()
+
+    def _take(self) -> None:
+        with self._taking:
             try:
-                m = self._reports.get(timeout=DRAIN_WAIT_S)
-            except (Empty, std_queue.Empty):
-                continue
-            except Exception:  # the queue actor is gone: the run is over
+                events = self._mailbox.take()
+            except Exception as e:  # disconnected (the run is over) or the GCS is away for a moment
+                log.debug("progress poll failed: %s", e)
                 return
-            if m.pop("run_token", self._token) != self._token:  # a late event of an earlier run
-                continue
-            if m.get("event") == _SETTLED:
-                return  # everything sent before the run ended has been shown
-            self.show(m)
+            for m in events:
+                self.show(m)
 
     def show(self, m: dict[str, Any]) -> None:
         """Apply one forwarded event: a report moves the bar, a placement group is noted, anything
@@ -217,72 +270,16 @@ class ProgressBar:
         self._bar.initial = self._bar.n = self._bar.last_print_n = step
 
     def settle(self) -> None:
-        """Wait until every event already on the queue has been applied (the run is over)."""
-        if not self._thread.is_alive():
-            return
-        with contextlib.suppress(Exception):  # the queue is FIFO: this one comes after them all
-            self._reports.put({"event": _SETTLED, "run_token": self._token}, timeout=5)
-        self._thread.join(timeout=5)
+        """Show every event sent so far (the run is over: its senders' puts have all returned)."""
+        self._stop.set()
+        self._thread.join(timeout=POLL_S + 10)
+        self._take()
 
     def __exit__(self, *exc) -> None:
         self.settle()
+        self._mailbox.close()
         self._bar.close()
         self._redirect.__exit__(None, None, None)
-        # kept for the next run after a run that ended; an interrupted or failed one leaves nothing
-        _queues.give_back(self._reports, reuse=exc[0] is None and not self._thread.is_alive())
-
-
-class _QueuePool:
-    """The driver's report queues, kept for its next runs: a queue is an actor, a process of its
-    own. One per run in flight; all of them belong to the connected Ray session."""
-
-    def __init__(self):
-        self._free: list[Queue] = []
-        self._session: str | None = None
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _current() -> str:
-        import ray
-
-        ctx = ray.get_runtime_context()
-        return f"{ctx.get_node_id()}/{ctx.get_job_id()}"  # a new cluster can reuse job ids
-
-    def take(self) -> Queue:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        with self._lock:
-            if self._session != self._current():  # reconnected: the old queues died with the driver
-                self._free, self._session = [], self._current()
-        while True:
-            with self._lock:
-                if not self._free:
-                    break
-                q = self._free.pop()
-            try:  # its node may have died since (chaos tests kill nodes)
-                ray.get(q.actor.qsize.remote(), timeout=10)
-                return q
-            except Exception:
-                continue
-        # on the driver's node: it lives as long as the driver
-        return Queue(actor_options={"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
-            ray.get_runtime_context().get_node_id(), soft=True)})
-
-    def give_back(self, q: Queue, reuse: bool) -> None:
-        import ray
-
-        if not ray.is_initialized():  # disconnected meanwhile: the queue died with the driver
-            return
-        with self._lock:
-            if reuse and self._session == self._current():
-                self._free.append(q)
-                return
-        with contextlib.suppress(Exception):
-            ray.kill(q.actor)
-
-
-_queues = _QueuePool()
 
 
 def postfix(m: dict[str, Any]) -> str:

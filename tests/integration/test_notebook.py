@@ -189,7 +189,7 @@ def test_quickstart_notebook_runs_and_interrupts_cleanly(kernel_name, tmp_path, 
         state = json.loads(_text(check.outputs, "stdout"))
         assert state["held_placement_groups"] == []
         assert state["cpus_free"] == state["cpus_total"]
-        leaked = {"TrainController", "RayTrainWorker", "PlacementGroupCleaner", "_QueueActor"}
+        leaked = {"TrainController", "RayTrainWorker", "PlacementGroupCleaner"}
         assert not leaked & set(state["alive"]), state["alive"]
         assert state["handler_restored"] and state["same_cluster"]
         assert not (out / "interrupted" / "summary.json").exists()

@@ -281,21 +281,38 @@ def test_workers_that_cannot_start_end_in_one_error_naming_what_holds_the_cpus(
 
 
 @pytest.mark.ray
-def test_the_next_run_reuses_the_report_queue_and_ignores_a_late_event_of_the_last(ray_local):
-    """A report queue is an actor (a process); the driver keeps it for its next run. An event the
-    earlier run's controller sent late is not shown by the next run's bar."""
+def test_progress_events_from_other_processes_reach_the_bar_in_order_and_leave_nothing(
+        ray_local, monkeypatch):
+    """The bar's mailbox (the GCS's key-value store, no actor): what rank 0 and the controller put
+    from their own processes is shown in the order sent, once; an earlier run's late event is not
+    shown by the next run's bar; the bar's keys are gone once it closes."""
     import ray
+    from ray.experimental import internal_kv
 
-    from raylib.train.progress import ProgressBar
+    from raylib.train.progress import NAMESPACE, ProgressBar
 
+    @ray.remote(num_cpus=0)
+    def rank0_and_controller(channel, forwarder):
+        for step in (1, 2, 3):
+            channel.send({"step": step, "loss": 1.0 / step})
+        forwarder._send({"event": "reschedule", "error": "no CPU"})
+        channel.send({"step": 4, "loss": 0.2})
+
+    shown: list = []
+    original = ProgressBar.show
+    monkeypatch.setattr(ProgressBar, "show", lambda self, m: (shown.append(m), original(self, m)))
     with ProgressBar(10, enabled=False) as first:
         earlier = first.callback
-    with ProgressBar(10, enabled=False) as second:
-        assert second._reports.actor._actor_id == first._reports.actor._actor_id
-        for sender, step in ((second.callback, 5), (earlier, 3)):  # put before the bar closes
-            ray.get(sender.reports.actor.put_nowait.remote({"event": "report", "step": step, "loss": 1.0,
-                                                             "run_token": sender.token}))
-    assert second.last["step"] == 5  # the late step 3 came after it and was dropped
+    with ProgressBar(10, enabled=False) as bar:
+        ray.get(rank0_and_controller.remote(bar.channel, bar.callback))
+        earlier._send({"event": "report", "step": 9, "loss": 0.0})  # the last run's, sent late
+    assert [m.get("step", m["event"]) for m in shown] == [1, 2, 3, "reschedule", 4]
+    assert bar.last["step"] == 4 and [e["event"] for e in bar.events] == ["reschedule"]
+    assert internal_kv._internal_kv_list(bar._mailbox.prefix, namespace=NAMESPACE) == []
+    # a sender later than its run's bar leaves its event behind (nobody reads it again)
+    late = internal_kv._internal_kv_list(first._mailbox.prefix, namespace=NAMESPACE)
+    assert len(late) == 1
+    first._mailbox.close()
 
 
 @pytest.mark.ray

@@ -270,7 +270,7 @@ def test_a_restart_becomes_one_warning_naming_the_rank_and_the_failure_count():
 
     from raylib.train.progress import RunForwarder, describe_event
 
-    forwarder = RunForwarder(reports=None)
+    forwarder = RunForwarder(None)
     forwarder.max_failures = 3
     error = WorkerGroupError("rank 1 died", {1: RuntimeError("The actor died unexpectedly before "
                                                              "finishing this task.\n\tclass_name: X")})
@@ -289,7 +289,7 @@ def test_a_preemption_becomes_one_warning_naming_nodes_and_ranks():
     from raylib.train.progress import RunForwarder, describe_event
 
     info = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"a1b2c3d4e5f6a7b8": [2, 3]})
-    forwarder = RunForwarder(reports=None)
+    forwarder = RunForwarder(None)
     event = forwarder._event(RunningState(), PreemptingState(preemption_info=info, detected_at_s=0.0))
     assert describe_event(event).startswith("node(s) a1b2c3d4e5f6 are being preempted (ranks [2, 3])")
     # once per preemption, not once per poll while it lasts

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 RUN_LOG_HANDLER = "raylib-run-log"
 NAMESPACE = b"raylib_progress"
-POLL_S = 1.0  # how soon the bar shows an event (each poll: ~1.5 ms of the driver, 2 GCS calls)
+POLL_S = 1.0  # how soon the bar shows an event (an idle poll: one GCS call)
 PUT_TIMEOUT_S = 2.0  # a sender never waits longer on an unreachable GCS
 
 # a sender's keys: <run token>/<time ns>/<sender>/<seq>, so that the driver reads them in time order

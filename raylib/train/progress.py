@@ -70,7 +70,7 @@ class Mailbox:
         key = self.prefix + f"{_stamp():020d}/{_SENDER}/{next(_SEQ):09d}".encode()
         try:
             gcs = internal_kv.global_gcs_client
-            if gcs is None:  # a Ray Client driver: its calls go through the client's server
+            if gcs is None:  # not connected to the GCS itself (a Ray Client process): via its server
                 internal_kv._internal_kv_put(key, pickle.dumps(event), namespace=NAMESPACE)
             else:
                 gcs.internal_kv_put(key, pickle.dumps(event), True, NAMESPACE, timeout=PUT_TIMEOUT_S)

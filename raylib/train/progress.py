@@ -259,8 +259,13 @@ class ProgressBar:
         if not self.last and self.enabled:
             self._count_from(m["step"])
         self.last = m
+        # one draw per report, with its own loss (a draw for the count, then one for the text, put
+        # two lines per report into a log that is not a terminal)
+        self._bar.set_postfix_str(postfix(m), refresh=False)
+        drawn = self._bar.last_print_t
         self._bar.update(max(0, m["step"] - self._bar.n))
-        self._bar.set_postfix_str(postfix(m), refresh=True)
+        if self._bar.last_print_t == drawn:  # no draw: no new steps, or within tqdm's rate limit
+            self._bar.refresh()
 
     def _count_from(self, step: int) -> None:
         """Start the bar's clock at the run's first report: the time before it is the cluster's

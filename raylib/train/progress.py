@@ -244,7 +244,10 @@ class ProgressBar:
                 log.debug("progress poll failed: %s", e)
                 return
             for m in events:
-                self.show(m)
+                try:
+                    self.show(m)
+                except Exception as e:  # one event the bar cannot show must not stop the others
+                    log.warning("progress: could not show %s: %r", m.get("event", "report"), e)
 
     def show(self, m: dict[str, Any]) -> None:
         """Apply one forwarded event: a report moves the bar, a placement group is noted, anything
@@ -262,10 +265,10 @@ class ProgressBar:
         # one draw per report, with its own loss (a draw for the count, then one for the text, put
         # two lines per report into a log that is not a terminal)
         self._bar.set_postfix_str(postfix(m), refresh=False)
-        drawn = self._bar.last_print_t
+        drawn = getattr(self._bar, "last_print_t", None)  # a disabled bar has none
         self._bar.update(max(0, m["step"] - self._bar.n))
-        if self._bar.last_print_t == drawn:  # no draw: no new steps, or within tqdm's rate limit
-            self._bar.refresh()
+        if not self._bar.disable and self._bar.last_print_t == drawn:  # no draw: no new steps, or
+            self._bar.refresh()  # within tqdm's rate limit
 
     def _count_from(self, step: int) -> None:
         """Start the bar's clock at the run's first report: the time before it is the cluster's

@@ -69,3 +69,12 @@ def test_a_report_the_rate_limit_would_skip_is_still_drawn():
     bar.show({"step": 20, "loss": 4.5})  # within tqdm's mininterval of the first
     last = out.getvalue().split("\r")[-1]
     assert "20/100" in last and "loss 4.500" in last, last
+
+
+def test_a_disabled_bar_still_takes_reports():
+    """--no-progress (and every run inside a Tune trial): no bar, but the last report is kept."""
+    bar = ProgressBar(100, enabled=False)
+    bar._bar = tqdm(total=100, disable=True)
+    bar.show({"step": 10, "loss": 5.0})
+    bar.show({"step": 20, "loss": 4.5})
+    assert bar.last == {"step": 20, "loss": 4.5}

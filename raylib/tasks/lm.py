@@ -82,7 +82,10 @@ class CausalLM(_LanguageModel):
     use, it makes the causal mask block-diagonal),
     so no token attends across a document boundary; and the first token of a document is never a
     label (it would be predicted from the previous document). The separator itself is predicted:
-    the model learns where a document ends. Families whose model builds its causal mask without
+    the model learns where a document ends. Rows of a WordPiece dataset are framed [CLS] ... [SEP]
+    (build.pack_rows): that last [SEP] ends the row, not a document, so it is not a label; and
+    where a tokenizer pads with its separator (GPT-2's has no pad token), the separator stays a
+    label (packed rows hold no padding). Families whose model builds its causal mask without
     the position ids (BERT as a decoder, before transformers 5.25) attend across documents in a row,
     as GPT-2's and Megatron's original pretraining did; their labels still never cross
     (tests/unit/test_tasks.py checks both behaviours per family).
@@ -94,8 +97,11 @@ class CausalLM(_LanguageModel):
 
     def __init__(self, spec, index, seed):
         super().__init__(spec, index, seed)
-        self.sep = index.special_ids["sep"]
-        self.pad = index.special_ids["pad"]
+        ids = index.special_ids
+        self.sep = ids["sep"]
+        self.pad = ids["pad"] if ids.get("pad", self.sep) != self.sep else None
+        # build.pack_rows frames every row [CLS] ... [SEP] when cls is its own token
+        self.framed = "cls" in ids and ids["cls"] != self.sep
 
     def config_fields(self):
         # is_decoder: an encoder family (BERT) attends causally too; with a KV cache transformers
@@ -112,7 +118,10 @@ class CausalLM(_LanguageModel):
         first = np.maximum.accumulate(np.where(starts, col, 0), axis=1)
         labels = ids.copy()
         labels[:, 1:][starts[:, 1:]] = IGNORE_INDEX
-        labels[ids == self.pad] = IGNORE_INDEX
+        if self.pad is not None:
+            labels[ids == self.pad] = IGNORE_INDEX
+        if self.framed:
+            labels[:, -1] = IGNORE_INDEX  # the frame's [SEP]: the row ends, its document may not
         return {"input_ids": ids, "labels": labels, "position_ids": col - first}
 
     @staticmethod

@@ -45,6 +45,27 @@ def test_causal_positions_restart_and_no_label_crosses_a_boundary():
     assert "attention_mask" not in b  # transformers derives the block-diagonal mask from the positions
 
 
+def test_causal_separator_is_a_label_when_the_tokenizer_pads_with_it():
+    """A GPT-2-style tokenizer has no pad token: build pads with eos, the separator. Packed rows
+    hold no padding, so the separator must stay a label (the model learns where documents end)."""
+    gpt2 = {"pad": SEP, "sep": SEP, "bos": SEP, "eos": SEP, "unk": SEP}
+    spec = JobSpec.from_dict({"model": {"family": "gpt2"}, "task": {"type": "causal_lm"}})
+    b = task_for(spec, index(special=gpt2)).prepare({"input_ids": ROW})
+    assert (b["labels"][ROW == SEP] == SEP).all()
+    assert (b["labels"] == IGNORE_INDEX).sum() == 2  # only the two documents' first tokens
+
+
+def test_causal_on_wordpiece_rows_does_not_predict_the_frame_separator():
+    """build.pack_rows frames every row [CLS] ... [SEP]; the row's last [SEP] is where the row was
+    cut, mid-document, not a document's end: it is not a label. A [SEP] inside the row is."""
+    wordpiece = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+    spec = JobSpec.from_dict({"model": {"family": "bert"}, "task": {"type": "causal_lm"}})
+    task = task_for(spec, index(special=wordpiece))
+    row = np.array([[2, 7, 8, 3, 9, 10, 11, 3]])  # [CLS] doc-end [SEP] doc-cut... [SEP]
+    b = task.prepare({"input_ids": row})
+    assert b["labels"].tolist() == [[2, 7, 8, 3, IGNORE_INDEX, 10, 11, IGNORE_INDEX]]
+
+
 # transformers 5.25 gave BERT-as-a-decoder the position ids when it builds its causal mask
 BERT_DECODER_ISOLATES = Version(transformers.__version__) >= Version("5.25")
 

@@ -677,8 +677,10 @@ def special_roles(index) -> dict[str, int]:
 
 def build_tokenizer(spec, index):
     """A PreTrainedTokenizerFast over the dataset's tokenizer.json, its special tokens by role.
-    A WordPiece tokenizer without a post-processor gets BERT's ([CLS] A [SEP], [CLS] A [SEP] B
-    [SEP]): the rows the model trained on were built that way."""
+    Its post-processor frames a text as the rows the model trained on were built: BERT's
+    ([CLS] A [SEP], [CLS] A [SEP] B [SEP]) for a WordPiece tokenizer that has none, and for every
+    classification dataset (one document per row) the framing build.example_rows gave it: that, or
+    the text followed by eos where cls is not its own token (GPT-2, Llama)."""
     import fsspec
     from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
@@ -701,11 +703,18 @@ def build_tokenizer(spec, index):
                               f"no such id ({tok.get_vocab_size()} tokens); rebuild the dataset")
         tokens[ROLES[role]] = token
     wordpiece = json.loads(tok.to_str()).get("model", {}).get("type") == "WordPiece"
-    if wordpiece and tok.post_processor is None and {"cls", "sep"} <= set(roles):
+    bert_style = "cls" in roles and roles["cls"] != roles.get("sep")
+    examples = getattr(index, "kind", "packed") == "examples"
+    if bert_style and (examples or (wordpiece and tok.post_processor is None)):
         cls, sep = tokens["cls_token"], tokens["sep_token"]
         tok.post_processor = processors.TemplateProcessing(
             single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
             special_tokens=[(cls, roles["cls"]), (sep, roles["sep"])])
+    elif examples:  # build.example_rows ended each document with eos: a classifier reads that token
+        role = "eos" if "eos" in roles else "sep"
+        eos = tok.id_to_token(roles[role])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"$A {eos}", pair=f"$A {eos} $B:1 {eos}:1", special_tokens=[(eos, roles[role])])
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=index.seq_len, **tokens)
 
 

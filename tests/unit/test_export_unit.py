@@ -350,3 +350,31 @@ def test_export_of_a_sequence_classifier_keeps_its_labels(tmp_path):
     assert names and [loaded.config.id2label[i] for i in range(len(names))] == names
     ids = torch.tensor([[2, 10, 11, 12, 3]])
     assert torch.equal(logits(loaded, ids), logits(model, ids))
+
+
+@pytest.mark.parametrize("tokenizer", ["bpe", "wordpiece"])
+def test_a_classifiers_tokenizer_frames_text_as_its_training_rows(tmp_path, tokenizer):
+    """A classifier reads its last (GPT-2, Llama) or first (BERT) token: outside raylib, the
+    exported tokenizer must give the ids of the rows it trained on, with build's framing (text
+    <eos> for a byte-level BPE dataset, [CLS] text [SEP] for WordPiece)."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from raylib.data.build import DatasetManifest, build
+
+    texts = [f"the kettle number {i} is {'great' if i % 2 else 'broken'}" for i in range(40)]
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps({"text": t, "label": "pos" if i % 2 else "neg"}) + "\n"
+                           for i, t in enumerate(texts)))
+    m = DatasetManifest(name="cls", seq_len=16, shard_size="64KB", tokenizer_sample="64KB", shuffle=False,
+                        tokenizer={"type": tokenizer, "vocab_size": 300},
+                        source={"url": str(src), "label_column": "label"})
+    data = str(tmp_path / "data")
+    index = build(m, data, progress=False)
+    family = {"bpe": {"family": "gpt2", "preset": "gpt2-tiny", "overrides": {}}, "wordpiece": {}}[tokenizer]
+    _, spec = make_run(tmp_path, data, model=family, task={"type": "sequence_classification"})
+    ex.build_tokenizer(spec, index).save_pretrained(tmp_path / "tok")
+    back = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    row = pq.read_table(Path(data) / index.shards[0]["path"]).to_pylist()[0]
+    trained = [i for i, keep in zip(row["input_ids"], row["attention_mask"], strict=True) if keep]
+    assert back(texts[0])["input_ids"] == trained

@@ -819,31 +819,35 @@ def make_tokenizer(manifest: DatasetManifest, texts: Iterable[str] | None = None
 # -- rows ----------------------------------------------------------------------------------------
 
 
-def pack_rows(token_lists: list[list[int]], seq_len: int, cls_id: int, sep_id: int) -> np.ndarray:
-    """Concatenate documents (separated by [SEP]) into rows of [CLS] ... [SEP], seq_len long."""
-    stream: list[int] = []
-    for ids in token_lists:
-        stream.extend(ids)
-        stream.append(sep_id)
+def pack_rows(token_lists: list[list[int]], seq_len: int, cls_id: int, sep_id: int,
+              carry: list[int] | None = None) -> np.ndarray:
+    """Concatenate documents (separated by [SEP]) into rows of [CLS] ... [SEP], seq_len long.
+    carry: tokens left over from the previous call, prepended; on return it holds this call's
+    leftover (a stream cut into shards loses at most its last partial row)."""
     body = seq_len - 2
-    n = len(stream) // body
-    if n == 0:
-        return np.empty((0, seq_len), dtype=np.int32)
-    blocks = np.asarray(stream[: n * body], dtype=np.int32).reshape(n, body)
+    blocks = _cut(token_lists, body, sep_id, carry)
+    n = len(blocks)
     cls = np.full((n, 1), cls_id, dtype=np.int32)
     sep = np.full((n, 1), sep_id, dtype=np.int32)
     return np.concatenate([cls, blocks, sep], axis=1)
 
 
-def pack_stream(token_lists: list[list[int]], seq_len: int, sep_id: int) -> np.ndarray:
-    """Documents, each followed by sep, concatenated and cut into rows of seq_len (the tail
-    shorter than a row is dropped)."""
-    stream: list[int] = []
+def pack_stream(token_lists: list[list[int]], seq_len: int, sep_id: int,
+                carry: list[int] | None = None) -> np.ndarray:
+    """Documents, each followed by sep, concatenated and cut into rows of seq_len. carry: as in
+    pack_rows (None: the tail shorter than a row is dropped)."""
+    return _cut(token_lists, seq_len, sep_id, carry)
+
+
+def _cut(token_lists: list[list[int]], width: int, sep_id: int, carry: list[int] | None) -> np.ndarray:
+    stream: list[int] = list(carry or ())
     for ids in token_lists:
         stream.extend(ids)
         stream.append(sep_id)
-    n = len(stream) // seq_len
-    return np.asarray(stream[: n * seq_len], dtype=np.int32).reshape(n, seq_len)
+    n = len(stream) // width
+    if carry is not None:
+        carry[:] = stream[n * width:]
+    return np.asarray(stream[: n * width], dtype=np.int32).reshape(n, width)
 
 
 def word_labels(offsets: list[tuple[int, int]], words: list[str], tags: list[int]) -> list[int]:
@@ -913,6 +917,12 @@ def build(
     fs, root = fsspec.core.url_to_fs(out_url)
     root = root.rstrip("/")
     if fs.exists(f"{root}/{INDEX}") and not force:
+        changed = manifest_changes(out_url, manifest)
+        if changed:
+            raise ValueError(
+                f"{out_url} holds dataset {manifest.name!r} built from a different manifest "
+                f"({'; '.join(changed[:4])}{'; ...' if len(changed) > 4 else ''}): rebuild it with "
+                "--force (its shards are replaced once the new ones are written), or give another --out")
         log.info("dataset already built at %s (use --force to rebuild)", out_url)
         return read_index(out_url)
 
@@ -923,27 +933,42 @@ def build(
         manifest, sample_texts(docs.train(), parse_size(manifest.tokenizer_sample)))
     label_ids = {name: i for i, name in enumerate(docs.label_names or [])}
 
-    fs.makedirs(root, exist_ok=True)
-    if fs.exists(f"{root}/{INDEX}"):
-        fs.rm(f"{root}/{INDEX}")  # the build is incomplete until the new index is written
+    # the new build is written beside the old one and replaces it only once it is whole: a build
+    # that fails (no row of seq_len, a bad document deep in the input) leaves the old dataset as it was
+    stage, fresh = f"{root}/{STAGE}", not fs.exists(root)
+    if fs.exists(stage):
+        fs.rm(stage, recursive=True)  # an earlier build that died
+    fs.makedirs(stage, exist_ok=True)
+    done = False
+    try:
+        total = docs.train_chars + docs.validation_chars
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"build {manifest.name}",
+                   disable=not progress)
+        shards = _write_split(fs, stage, "shard", docs.train(), docs.train_chars, manifest,
+                              _row_maker(manifest, tok, label_ids), bar)
+        if not shards:
+            bar.close()
+            raise ValueError(
+                f"dataset {manifest.name!r}: its {docs.train_chars:,} characters of training text make no "
+                f"full row of seq_len {manifest.seq_len}; lower seq_len or "
+                + (f"raise size ({manifest.size})" if manifest.source is None or manifest.size
+                   else "give it more text"))
+        validation = _write_split(fs, stage, "validation", docs.validation(), docs.validation_chars,
+                                  manifest, _row_maker(manifest, tok, label_ids), bar)
+        bar.close()
+        _write_atomic(fs, f"{stage}/{TOKENIZER}", tok.data)
+        if fs.exists(f"{root}/{INDEX}"):
+            fs.rm(f"{root}/{INDEX}")  # the dataset is incomplete until the new index is written
         for stale in fs.glob(f"{root}/shard-*.parquet") + fs.glob(f"{root}/validation-*.parquet"):
             fs.rm(stale)
-    _write_atomic(fs, f"{root}/{TOKENIZER}", tok.data)
-
-    total = docs.train_chars + docs.validation_chars
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"build {manifest.name}",
-               disable=not progress)
-    rows_of = _row_maker(manifest, tok, label_ids)
-    shards = _write_split(fs, root, "shard", docs.train(), docs.train_chars, manifest, rows_of, bar)
-    if not shards:
-        bar.close()
-        raise ValueError(
-            f"dataset {manifest.name!r}: size {manifest.size or docs.train_chars} yields no row of "
-            f"seq_len {manifest.seq_len}; increase size"
-        )
-    validation = _write_split(fs, root, "validation", docs.validation(), docs.validation_chars,
-                              manifest, rows_of, bar)
-    bar.close()
+        for f in [*shards, *validation, {"path": TOKENIZER}]:
+            fs.mv(f"{stage}/{f['path']}", f"{root}/{f['path']}")
+        done = True
+    finally:
+        if fresh and not done:
+            fs.rm(root, recursive=True)  # nothing left behind where nothing was
+        elif fs.exists(stage):
+            fs.rm(stage, recursive=True)
     if docs.validation_chars and not validation:
         log.warning("dataset %s: the validation split yields no row of seq_len %d; it is empty",
                     manifest.name, manifest.seq_len)
@@ -962,6 +987,30 @@ def build(
 
 
 SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")
+STAGE = ".building"  # where a build writes until it is whole
+
+
+def manifest_changes(url: str, manifest: DatasetManifest) -> list[str]:
+    """The fields ("seq_len: 8 -> 16") in which `manifest` differs from the one the dataset at
+    `url` was built from; fields only one of them has (a newer raylib's) are not compared."""
+    fs, root = fsspec.core.url_to_fs(url)
+    try:
+        built = json.loads(fs.cat_file(f"{root.rstrip('/')}/{INDEX}")).get("manifest")
+    except FileNotFoundError:
+        return []
+    if not isinstance(built, dict):
+        return []
+    out: list[str] = []
+
+    def walk(old: Any, new: Any, key: str) -> None:
+        if isinstance(old, dict) and isinstance(new, dict):
+            for k in sorted(old.keys() & new.keys()):
+                walk(old[k], new[k], f"{key}.{k}" if key else k)
+        elif old != new:
+            out.append(f"{key}: {old!r} -> {new!r}")
+
+    walk(built, _redacted(manifest.model_dump(mode="json")), "")
+    return out
 
 
 def _redacted(value: Any, in_options: bool = False) -> Any:
@@ -989,12 +1038,14 @@ def _row_maker(manifest: DatasetManifest, tok: BuiltTokenizer,
     if target is not None:
         return lambda docs: example_rows(tok, docs, seq_len, target, label_ids)
 
+    carry: list[int] = []  # the split's token stream runs on across its shards
+
     def packed(docs: list[Document]) -> dict[str, np.ndarray]:
         ids = [e.ids for e in tok.tokenizer.encode_batch([d.text for d in docs],
                                                            add_special_tokens=False)]
         if tok.bert_style:
-            return {"input_ids": pack_rows(ids, seq_len, s["cls"], s["sep"])}
-        return {"input_ids": pack_stream(ids, seq_len, s["sep"])}
+            return {"input_ids": pack_rows(ids, seq_len, s["cls"], s["sep"], carry)}
+        return {"input_ids": pack_stream(ids, seq_len, s["sep"], carry)}
 
     return packed
 

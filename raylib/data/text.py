@@ -180,7 +180,8 @@ def _csv(fs, path, name, source) -> Iterator[Document]:
 
     delimiter = "\t" if _strip_compression(path).lower().endswith(".tsv") else ","
     with fs.open(path, "rb", compression="infer") as f:
-        first = f.readline().decode("utf-8", errors="replace").strip("\r\n")
+        # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") is not part of the first column's name
+        first = f.readline().decode("utf-8-sig", errors="replace").strip("\r\n")
         if not first.strip():
             return
         _check_columns(next(csv.reader([first], delimiter=delimiter)), source, name)
@@ -294,7 +295,7 @@ def _check_columns(names: list[str], source: TextSource, where: str) -> None:
 
 
 def _open_text(fs, path, name):
-    return fs.open(path, "rt", encoding="utf-8", compression="infer", newline=None)
+    return fs.open(path, "rt", encoding="utf-8-sig", compression="infer", newline=None)  # BOM or not
 
 
 def _read(f, name: str) -> str:

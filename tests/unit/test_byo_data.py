@@ -649,3 +649,63 @@ def test_credentials_in_storage_options_stay_out_of_the_index(tmp_path):
     options = json.loads(text)["manifest"]["source"]["storage_options"]
     assert options == {"key": "***", "secret": "***", "auto_mkdir": True,
                        "client_kwargs": {"region_name": "x"}}
+
+
+def test_a_force_rebuild_that_makes_no_row_keeps_the_old_dataset(tmp_path):
+    """The new build is checked whole (here: no row of the new seq_len) before the old one goes."""
+    src = tmp_path / "c.txt"
+    src.write_text("\n".join(DOCS))
+    out = tmp_path / "out"
+    build(manifest(src), str(out), progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ValueError, match="no full row of seq_len 4096; lower seq_len"):
+        build(manifest(src, seq_len=4096), str(out), force=True, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and is_built(str(out))
+    with pytest.raises(ValueError, match="no full row"):  # a first build leaves nothing behind
+        build(manifest(src, seq_len=4096), str(tmp_path / "new"), progress=False)
+    assert_nothing_written(tmp_path / "new")
+
+
+def test_a_changed_manifest_is_not_mistaken_for_the_built_one(tmp_path):
+    src = tmp_path / "c.txt"
+    src.write_text("\n".join(DOCS))
+    out = tmp_path / "out"
+    build(manifest(src), str(out), progress=False)
+    assert build(manifest(src), str(out), progress=False).seq_len == 16  # the same: kept
+    with pytest.raises(ValueError, match=r"different manifest \(seq_len: 16 -> 32\).*--force"):
+        build(manifest(src, seq_len=32), str(out), progress=False)
+    assert read_index(str(out)).seq_len == 16
+    assert build(manifest(src, seq_len=32), str(out), force=True, progress=False).seq_len == 32
+
+
+@pytest.mark.parametrize("tokenizer", ["wordpiece", "bpe"])
+def test_packed_shards_lose_no_tokens_but_the_last_partial_row(tmp_path, tokenizer):
+    """Shards are cut by raw text; the token stream runs on from one shard into the next, so small
+    shards (here 100 bytes: most make no row of their own) keep every document."""
+    src = tmp_path / "c.txt"
+    src.write_text("\n".join(DOCS))
+    m = manifest(src, tokenizer={"type": tokenizer, "vocab_size": 400}, shard_size="100B")
+    index = build(m, str(tmp_path / "out"), progress=False)
+    tok = Tokenizer.from_file(str(tmp_path / "out" / TOKENIZER))
+    docs = [tok.encode(d, add_special_tokens=False).ids for d in DOCS]
+    s = index.special_ids
+    got = rows(tmp_path / "out", index.shards)
+    if tokenizer == "wordpiece":
+        expected = pack_rows(docs, 16, s["cls"], s["sep"])
+    else:
+        expected = pack_stream(docs, 16, s["sep"])
+    assert len(index.shards) > 1
+    np.testing.assert_array_equal(got, expected)  # as if built in one piece
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    """Files saved as "UTF-8 with BOM" (Excel's CSV UTF-8, Notepad): the mark is neither part of the
+    first column's name nor of the first document."""
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.csv").write_bytes(bom + b"text,label\nthe kettle is great,pos\nbroken kettle,neg\n")
+    (tmp_path / "b.jsonl").write_bytes(bom + b'{"text": "the kettle is great", "label": "pos"}\n')
+    (tmp_path / "c.txt").write_bytes(bom + b"the kettle is great\n")
+    for name in ("a.csv", "b.jsonl"):
+        m = manifest(tmp_path / name, source={"label_column": "label"})
+        assert [(d.text, d.label) for d in open_corpus(m, False).train()][0] == ("the kettle is great", "pos")
+    assert texts(manifest(tmp_path / "c.txt")) == ["the kettle is great"]

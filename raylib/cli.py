@@ -117,7 +117,7 @@ def _run(args) -> int:
     _driver_accelerator()
     from raylib.data.build import is_built, read_index
     from raylib.spec import JobSpec, SpecError
-    from raylib.train.model import check_model, model_config
+    from raylib.train.model import check_buildable, check_model, model_config
     from raylib.train.parallel import check_layout
     from raylib.train.strategy import resolve_ds_config
 
@@ -130,6 +130,7 @@ def _run(args) -> int:
             if "://" not in spec.data.path and is_built(spec.data.path):  # no network in a dry run
                 index = read_index(spec.data.path)
                 config = model_config(spec, index)
+                check_buildable(spec, index, config)
                 check_layout(spec, config)  # tp/pp against this model
                 if args.dry_run:
                     kernels = _kernel_plan(spec, index, config)

@@ -260,6 +260,12 @@ def _check_out(out: Path, run_dir: Path, force: bool) -> None:
                           "directory of its own (e.g. --out exported/" + run_dir.name + ")")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; give a directory (new or empty)")
+    blocker = next((p for p in out.parents if p.exists()), None)  # where the new directories start
+    if blocker is not None and not blocker.is_dir():
+        raise ExportError(f"--out {out}: {blocker} is a file, so no directory can be made under it; "
+                          "give another --out")
+    if blocker is not None and not os.access(blocker, os.W_OK | os.X_OK):
+        raise ExportError(f"--out {out}: {blocker} is not writable; give another --out")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ExportError(f"--out {out} exists and is not empty; choose a new or empty directory, or "
                           "pass --force to replace its contents")
@@ -270,9 +276,11 @@ def _read_index(spec, run_dir: Path):
 
     try:
         return read_index(spec.data.path)
-    except FileNotFoundError as e:
+    except FileNotFoundError:
+        how = f"`raylib data build {spec.data.manifest} --out {spec.data.path}`" if spec.data.manifest \
+            else f"`raylib data build MANIFEST --out {spec.data.path}` with the manifest it was built from"
         raise ExportError(f"the dataset of run {run_dir} is needed for the tokenizer (data.path "
-                          f"{spec.data.path!r}) and it is gone: {e}") from None
+                          f"{spec.data.path!r}) and it is gone; rebuild it: {how}") from None
 
 
 def _persist_url(spec, run_dir: Path) -> str:

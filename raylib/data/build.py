@@ -411,7 +411,7 @@ def read_index(url: str) -> DatasetIndex:
     if not fs.exists(path):
         raise FileNotFoundError(
             f"no built dataset at {url!r} ({INDEX} missing); build it with "
-            f"`raylib data build datasets/ecommerce.yaml --out {url}`"
+            f"`raylib data build MANIFEST --out {url}` (its manifest, e.g. datasets/ecommerce.yaml)"
         )
     return index_from_meta(url, json.loads(fs.cat_file(path)))
 
@@ -916,6 +916,8 @@ def build(
 
     fs, root = fsspec.core.url_to_fs(out_url)
     root = root.rstrip("/")
+    if fs.isfile(root):
+        raise ValueError(f"--out {out_url} is a file; a dataset is a directory: give a new or built one")
     if fs.exists(f"{root}/{INDEX}") and not force:
         changed = manifest_changes(out_url, manifest)
         if changed:

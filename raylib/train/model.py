@@ -75,9 +75,15 @@ def model_config(spec: JobSpec, index: DatasetIndex) -> PretrainedConfig:
                              f"remove it or set at least {index.vocab_size}")
         special = index.special_ids
         ids = {f"{role}_token_id": special[role] for role in ("bos", "eos") if role in special}
-        config = config_class(vocab_size=vocab, pad_token_id=special["pad"], **ids,
-                              **{**MODEL_PRESETS.get(m.preset_name, {}), **overrides},
-                              **task.config_fields())
+        _check_sizes(config_class, overrides, m.family)
+        try:
+            config = config_class(vocab_size=vocab, pad_token_id=special["pad"], **ids,
+                                  **{**MODEL_PRESETS.get(m.preset_name, {}), **overrides},
+                                  **task.config_fields())
+        except Exception as e:  # noqa: BLE001 - transformers' strict dataclass checks raise TypeError
+            # and huggingface_hub's own validation errors: one line naming the section, not a traceback
+            raise ValueError(f"model.overrides: {config_class.__name__} rejects them: "
+                             f"{str(e).splitlines()[0]}") from None
     _fit_positions(config, index.seq_len, "max_position_embeddings" in m.overrides)
     heads = getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
@@ -164,6 +170,38 @@ def _checked_overrides(config_class, overrides: dict[str, Any], family: str) -> 
         raise ValueError(f"model.overrides: unknown {config_class.__name__} field(s) {unknown} for "
                          f"family {family!r}; see transformers.{config_class.__name__}")
     return dict(overrides)
+
+
+def _check_sizes(config_class, overrides: dict[str, Any], family: str) -> None:
+    """Overrides of the config's sizes (fields whose default is a positive integer: layers, heads,
+    widths) must be positive integers: zero layers builds a model that trains nothing."""
+    defaults = config_class().to_dict()
+    for key, value in overrides.items():
+        default = defaults.get(key)
+        if isinstance(default, bool) or not isinstance(default, int) or default < 1 \
+                or key.endswith("_id") or key == "top_k":  # token ids; generation's 0 = off
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"model.overrides.{key}={value!r}: {family}'s {key} is a size, a positive "
+                             f"integer (its default: {default})")
+
+
+def check_buildable(spec: JobSpec, index: DatasetIndex, config: PretrainedConfig) -> None:
+    """Build the task's model on the meta device (no memory, no weights) so that shapes the config
+    accepts but the model cannot take fail here, before Ray, not in every worker."""
+    import torch
+    import transformers
+
+    from raylib.tasks import task_for
+
+    auto = getattr(transformers, task_for(spec, index).auto_class)
+    try:
+        with torch.device("meta"):
+            auto.from_config(config)
+    except Exception as e:  # noqa: BLE001 - any failure here is the spec's model section
+        raise ValueError(f"model: {config.model_type} cannot be built with these settings "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); check "
+                         "model.preset and model.overrides") from None
 
 
 def _fit_positions(config, seq_len: int, explicit: bool) -> None:

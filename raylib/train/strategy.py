@@ -98,8 +98,38 @@ def resolve_ds_config(spec: JobSpec, on_gpu: bool = False) -> dict[str, Any]:
     _check_compression(spec, config)
     from raylib.train.ds_validate import check_with_deepspeed  # DeepSpeed's own checks
 
-    check_with_deepspeed(config, on_gpu=on_gpu, world_size=spec.dp_size)
+    try:
+        check_with_deepspeed(config, on_gpu=on_gpu, world_size=spec.dp_size)
+    except ValueError as e:
+        raise ValueError(_blame(str(e), user)) from None
     return config
+
+
+# DeepSpeed keys raylib writes from a strategy field: an error about one names the field
+_FIELD_OF = {"optimizer.params": "strategy.optimizer", "scheduler.params": "strategy.lr_schedule",
+             "zero_optimization.allgather_bucket_size": "strategy.allgather_bucket_size",
+             "zero_optimization.reduce_bucket_size": "strategy.reduce_bucket_size",
+             "gradient_clipping": "strategy.gradient_clipping"}
+
+
+def _blame(message: str, user: dict[str, Any]) -> str:
+    """ds_validate names keys of strategy.deepspeed_config; where the user's own config does not
+    hold the key, raylib generated it from strategy.* fields: name those instead."""
+    prefix = "strategy.deepspeed_config."
+    if not message.startswith(prefix):
+        return message
+    key, _, rest = message[len(prefix):].partition(": ")
+    node: Any = user
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            break
+        node = node[part]
+    else:
+        return message  # the user's own key
+    field = next((f for k, f in _FIELD_OF.items() if key == k or key.startswith(k + ".")), "strategy")
+    sub = key.removeprefix("optimizer.params.") if field == "strategy.optimizer" else None
+    where = f"{field}.{sub}" if sub and sub != key else field
+    return f"{where} (DeepSpeed's {key}, which raylib writes from it): {rest}"
 
 
 def _check_removed_keys(user: dict[str, Any]) -> None:

@@ -459,10 +459,11 @@ def check_job(spec: JobSpec, index, address: str | None = None):
     the spec with its reader tiers: what the workers run)."""
     from raylib import preflight
     from raylib.data.pipeline import check_tiers, with_reader_tiers
-    from raylib.train.model import model_config
+    from raylib.train.model import check_buildable, model_config
     from raylib.train.parallel import check_layout
 
     config = model_config(spec, index)  # family, overrides, task and data checked against each other
+    check_buildable(spec, index, config)
     check_layout(spec, config)  # tp/pp against the model, the data path and the features
     allocator.check(spec.scaling.host_allocator)
     tiered = with_reader_tiers(spec, index)

@@ -709,3 +709,9 @@ def test_a_byte_order_mark_is_not_text(tmp_path):
         m = manifest(tmp_path / name, source={"label_column": "label"})
         assert [(d.text, d.label) for d in open_corpus(m, False).train()][0] == ("the kettle is great", "pos")
     assert texts(manifest(tmp_path / "c.txt")) == ["the kettle is great"]
+
+
+def test_out_that_is_a_file_is_refused_before_anything_is_read(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="afile is a file; a dataset is a directory"):
+        build(manifest(tmp_path / "missing.txt"), str(tmp_path / "afile"), progress=False)

@@ -322,7 +322,7 @@ def test_read_index_on_an_empty_dir(tmp_path):
         read_index(str(tmp_path))
     msg = str(info.value)
     assert INDEX in msg and "missing" in msg
-    assert f"raylib data build datasets/ecommerce.yaml --out {tmp_path}" in msg
+    assert f"raylib data build MANIFEST --out {tmp_path}` (its manifest" in msg
 
 
 def test_a_build_without_index_is_never_read(tiny_dir, tmp_path):

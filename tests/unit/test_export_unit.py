@@ -133,6 +133,8 @@ def test_a_non_empty_out_dir_needs_force(tmp_path, tiny_dataset):
     (tmp_path / "file").write_text("")
     with pytest.raises(ex.ExportError, match="is a file"):
         ex.export(run_dir, tmp_path / "file")
+    with pytest.raises(ex.ExportError, match=r"file is a file, so no directory can be made under it"):
+        ex.export(run_dir, tmp_path / "file" / "sub" / "dir")  # refused before the checkpoint is read
 
 
 def test_cli_main_prints_one_error_line(tmp_path, capsys):

@@ -220,3 +220,28 @@ def test_a_larger_vocab_size_pads_the_embedding_and_a_smaller_one_is_refused():
     assert cfg.vocab_size == 30522
     with pytest.raises(ValueError, match=f"vocab_size=10 is smaller than the dataset's tokenizer \\({VOCAB}"):
         model_config(spec(model={"preset": "bert-tiny", "overrides": {"vocab_size": 10}}), index())
+
+
+@pytest.mark.parametrize("value", [0, -128, "abc", 2.5])
+def test_a_size_override_must_be_a_positive_integer(value):
+    msg = bad(spec(model={"preset": "gpt2-tiny", "overrides": {"n_layer": value}},
+                   task={"type": "causal_lm"}), index(special=BPE))
+    assert f"model.overrides.n_layer={value!r}" in msg and "positive integer" in msg
+
+
+def test_a_value_the_config_class_rejects_is_one_line_naming_the_section():
+    msg = bad(spec(model={"preset": "gpt2-tiny", "overrides": {"activation_function": ["gelu"]}},
+                   task={"type": "causal_lm"}), index(special=BPE))
+    assert msg.startswith("model.overrides: GPT2Config rejects them") and "\n" not in msg
+
+
+def test_a_config_the_model_cannot_be_built_from_fails_before_ray():
+    """The config class accepts any activation name; building the model does not. check_job builds
+    it on the meta device (no memory) so that this is one error on the driver."""
+    from raylib.train.model import check_buildable
+
+    s, idx = spec(model={"preset": "bert-tiny", "overrides": {"hidden_act": "nope"}}), index()
+    config = model_config(s, idx)
+    with pytest.raises(ValueError, match=r"model: bert cannot be built with these settings \(KeyError.*nope"):
+        check_buildable(s, idx, config)
+    check_buildable(spec(), idx, model_config(spec(), idx))  # the default builds

@@ -558,3 +558,17 @@ def test_a_key_deepspeed_removed_is_named_with_deepspeeds_reason(user, key):
     message = spec_error({"deepspeed_config": user})
     assert message.startswith(f"strategy.deepspeed_config.{key}: DeepSpeed removed it: ")
     assert "deepspeedai/DeepSpeed/issues/8489" in message
+
+
+def test_an_error_in_a_key_raylib_generated_names_the_strategy_field():
+    """DeepSpeed's checks name its own keys; where raylib wrote the key from a strategy field (the
+    user gave no deepspeed_config), the error names that field."""
+    msg = spec_error({"optimizer": {"betas": [0.9, 1.5]}})
+    assert msg.startswith("strategy.optimizer.betas (DeepSpeed's optimizer.params.betas") or \
+        msg.startswith("strategy.optimizer (DeepSpeed's optimizer.params"), msg
+    assert "1.5" in msg
+    msg = spec_error({"zero_stage": 1, "allgather_bucket_size": 3})
+    assert msg.startswith("strategy.allgather_bucket_size (DeepSpeed's zero_optimization.allgather"), msg
+    own = {"zero_optimization": {"allgather_bucket_size": 3}}
+    user = spec_error({"zero_stage": 1, "deepspeed_config": own})
+    assert user.startswith("strategy.deepspeed_config.zero_optimization.allgather_bucket_size"), user

@@ -20,6 +20,25 @@ class ChecksumError(RuntimeError):
     sha256: it is corrupt or truncated, and was not served."""
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, except that a key given twice in one mapping is an error: YAML keeps the last
+    silently, so a second `run:` section would drop the first one's settings without a word."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    f"{key!r} is given twice", seen[key],
+                    "merge the two into one (the second would silently replace the first)",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml_mapping(path: str | Path, what: str, error: type[Exception] = ValueError) -> dict[str, Any]:
     """The mapping in the YAML file `path` ({} when empty). `what` names the file in errors
     ("config file", "dataset manifest" ...); `error` is the exception type raised."""
@@ -27,7 +46,7 @@ def load_yaml_mapping(path: str | Path, what: str, error: type[Exception] = Valu
     if not path.is_file():
         raise error(f"{what} {str(path)!r} not found")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
         raise error(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):

@@ -145,6 +145,13 @@ class ModelSpec(_Section):
         if self.pretrained is not None and self.preset is not None:
             raise ValueError(f"model.preset {self.preset!r} and model.pretrained both given: a "
                              "pretrained model's config is its architecture; remove model.preset")
+        if self.family is not None and self.preset is not None \
+                and self.family not in PRESET_FAMILIES.values():
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+            if self.family not in CONFIG_MAPPING:  # a typo: name it, not the preset's family
+                raise ValueError(f"unknown model.family {self.family!r}; presets ship for "
+                                 f"{', '.join(sorted(set(PRESET_FAMILIES.values())))}")
         if self.preset is not None and self.family is not None \
                 and PRESET_FAMILIES[self.preset] != self.family:
             choices = sorted(p for p, f in PRESET_FAMILIES.items() if f == self.family)
@@ -231,6 +238,12 @@ def _size_field(v: Any, what: str) -> Any:
     if isinstance(v, str):
         text = v.strip()
         if what == "bandwidth":
+            # a lower-case b is bits, with decimal prefixes (1Gbps = 1e9/8 bytes/s, a link's rating);
+            # bytes ('1GB/s', '1GBps') keep parse_size's meaning
+            bits = re.match(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(?:bps|b/s|bit/s)$", text, re.IGNORECASE)
+            if bits and "B" not in text[bits.end(2):]:
+                scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[bits.group(2).upper()]
+                return int(float(bits.group(1)) * scale / 8)
             text = text.removesuffix("/s").removesuffix("ps")
         return parse_size(text)
     return v
@@ -475,6 +488,12 @@ class StrategySpec(_Section):
     deepspeed_config: str | dict[str, Any] | None = None
     """A native DeepSpeed JSON config (path or dict). It is the base of the effective config;
     the fields above fill in what it leaves out or sets to "auto"."""
+
+    @field_validator("deepspeed_config")
+    @classmethod
+    def _config_path(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        # a path means the same file wherever the spec is read next (workers, `raylib export`)
+        return resolve_local(v) if isinstance(v, str) else v
 
 
 class ElasticWorkers(_Section):
@@ -864,6 +883,10 @@ class JobSpec(_Section):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "spec") -> JobSpec:
+        # a section whose keys are all commented out reads as null in YAML: its defaults
+        # (optional sections such as peft keep null: off)
+        data = {k: {} if v is None and k in cls.model_fields and cls.model_fields[k].default_factory
+                else v for k, v in data.items()}
         try:
             return cls.model_validate(data)
         except ValidationError as e:
@@ -876,7 +899,8 @@ class JobSpec(_Section):
         data = load_yaml_mapping(path, "config file", error=SpecError)
         for item in overrides or []:
             apply_override(data, item)
-        return cls.from_dict(data, source=str(path))
+        sets = f" with --set {' '.join(overrides)}" if overrides else ""  # the key may come from either
+        return cls.from_dict(data, source=f"{path}{sets}")
 
     def to_yaml(self) -> str:
         """The spec with every default filled in; loading it gives the same spec.
@@ -966,10 +990,16 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     parts = key.strip().split(".")
     node = data
     for p in parts[:-1]:
-        node = node.setdefault(p, {})
+        if node.get(p) is None:  # absent, or a section whose keys are all commented out
+            node[p] = {}
+        node = node[p]
         if not isinstance(node, dict):
             raise SpecError(f"--set {item!r}: {p!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(raw)
+    try:
+        node[parts[-1]] = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise SpecError(f"--set {item!r}: the value is not valid YAML ({str(e).splitlines()[0]}); quote "
+                        f"it as a string: --set '{key}=\"{raw}\"'") from None
 
 
 def _explain(e: ValidationError, source: str) -> str:

@@ -18,8 +18,10 @@ sends the token itself (RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH, else 
 With RAY_AUTH_MODE unset, `raylib submit` first asks the dashboard without a token and, only when
 it answers 401, sends the token found in those same places.
 
-The job spec is validated by the job itself, on the cluster (within seconds): a bad config gives a
-FAILED job whose error names the key and the fix, and `raylib submit` exits non-zero with it.
+The job spec's schema is checked here before anything is uploaded (a typo in a key or a --set);
+what needs the cluster (the built data, the model against it, DeepSpeed's checks) is checked by the
+job itself within seconds: a FAILED job whose error names the key and the fix, and `raylib submit`
+exits non-zero with it.
 """
 
 from __future__ import annotations
@@ -136,9 +138,24 @@ def build_submission(
             f"config {str(cfg_abs)!r} is outside the working dir {str(wd)!r}, so the job could "
             "not read it; copy it under jobs/configs/ (or pass --working-dir)"
         ) from None
-    if rel.parts and rel.parts[0] in WORKING_DIR_EXCLUDES:
-        raise SubmitError(f"config {str(rel)!r} lies in {rel.parts[0]}/, which is not uploaded; "
+    # Ray's own matcher (gitignore rules: "runs" excludes a runs/ at any depth), applied as Ray
+    # applies it while packing the working dir: to the file and to every directory above it
+    from ray._private.runtime_env.packaging import _get_excludes
+
+    excluded = _get_excludes(wd, WORKING_DIR_EXCLUDES)
+    hit = next((p for p in [*reversed(rel.parents[:-1]), rel] if excluded(wd / p)), None)
+    if hit is not None:
+        raise SubmitError(f"config {str(rel)!r} lies in {str(hit)!r}, which is not uploaded; "
                           "copy it under jobs/configs/")
+    # the spec is pure schema: a typo fails here, before anything is uploaded (read from the working
+    # dir, as the job reads it there)
+    from raylib.spec import JobSpec
+
+    with contextlib.chdir(wd):
+        try:
+            JobSpec.from_yaml(rel, overrides=list(overrides))
+        except ValueError as e:
+            raise SubmitError(str(e)) from None
 
     env_vars: dict[str, str] = {}
     for name in env:

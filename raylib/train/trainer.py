@@ -12,6 +12,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from raylib.spec import JobSpec
 from raylib.summary import RunResult, summarize
 from raylib.train import allocator
@@ -61,7 +63,10 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     from raylib.train.strategy import resolve_ds_config
 
     wall0 = time.perf_counter()
-    # Everything that can be checked without a cluster is checked first.
+    # Everything that can be checked without a cluster is checked first: the whole spec again
+    # (a section validates its own assignments; checks across sections, e.g. workers against
+    # tensor_parallel, run only when a spec is built), as the workers will read it
+    JobSpec.from_dict(yaml.safe_load(spec.to_yaml()), source=f"job spec {spec.name!r}")
     preflight.check_storage(spec)  # an unreachable object store: one line, not botocore's retries
     if not is_built(spec.data.path):
         if spec.data.manifest is None:

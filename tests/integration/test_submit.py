@@ -86,18 +86,19 @@ def test_submit_tiny_job_succeeds_with_summary_and_keeps_secrets(head, tmp_path,
 @pytest.mark.ray
 def test_submit_bad_config_fails_with_the_spec_error(head, monkeypatch, capfd):
     monkeypatch.chdir(REPO)
+    # valid schema, refused by DeepSpeed's checks, which the job runs on the cluster
     rc = cli.main(["submit", TINY, "--address", head.dashboard_url,
-                   "--set", "strategy.zero_stage=5"])
+                   "--set", "strategy.optimizer.betas=[0.9, 1.5]"])
     out, err = capfd.readouterr()
     assert rc == 1
     job_id = _job_id(err)
     assert f"job {job_id} FAILED" in err
     # The error the job printed is repeated at the end of our output, naming the key.
     tail = err[err.index(f"job {job_id} FAILED"):]
-    assert "raylib: error:" in tail and "strategy.zero_stage" in tail
+    assert "raylib: error:" in tail and "strategy.optimizer" in tail
     client = _jobs_client(head)
     assert str(client.get_job_status(job_id)) == "FAILED"
-    assert "strategy.zero_stage" in client.get_job_logs(job_id)
+    assert "strategy.optimizer" in client.get_job_logs(job_id)
 
 
 @pytest.mark.ray
@@ -142,6 +143,26 @@ def test_build_submission_refuses_bad_arguments(kwargs, message):
     with pytest.raises(SubmitError, match=message) as e:
         build_submission(REPO / TINY, environ={}, **kwargs)
     assert "abc" not in str(e.value), "a value given on the command line is not echoed"
+
+
+@pytest.mark.unit
+def test_build_submission_checks_the_schema_before_uploading():
+    with pytest.raises(SubmitError, match="(?s)with --set run.stesp=3: .*run.stesp: unknown key"):
+        build_submission(REPO / TINY, overrides=["run.stesp=3"])
+
+
+@pytest.mark.unit
+def test_build_submission_refuses_a_config_in_a_folder_ray_does_not_upload(tmp_path):
+    """Ray applies the excludes as gitignore rules: `runs` at any depth, bench/results from the root."""
+    wd = tmp_path / "wd"
+    (wd / "jobs" / "runs").mkdir(parents=True)
+    (wd / "bench" / "results").mkdir(parents=True)
+    (wd / "raylib").mkdir()
+    (wd / "raylib" / "cli.py").write_text("")  # what build_submission knows a checkout by
+    for rel in ("jobs/runs/x.yaml", "bench/results/x.yaml"):
+        (wd / rel).write_text("name: x\n")
+        with pytest.raises(SubmitError, match="which is not uploaded"):
+            build_submission(wd / rel, working_dir=wd)
 
 
 @pytest.mark.unit

@@ -19,6 +19,7 @@ from raylib.spec import (
     SpecError,
     StrategySpec,
     apply_override,
+    load_json_or_path,
 )
 
 pytestmark = pytest.mark.unit
@@ -521,3 +522,55 @@ def test_telemetry_off_turns_the_default_health_rules_off_but_refuses_explicit_o
     assert JobSpec.from_dict({}).health.enabled is True
     assert "enable telemetry or set health.enabled: false" in spec_error(
         {"telemetry": {"enabled": False}, "health": {"rules": []}})
+
+
+def test_a_set_value_that_is_not_yaml_is_one_error_with_the_fix(tmp_path):
+    p = write(tmp_path, "name: a\n")
+    with pytest.raises(SpecError, match=r"--set 'run.steps=\[': the value is not valid YAML.*quote it"):
+        JobSpec.from_yaml(p, overrides=["run.steps=["])
+    with pytest.raises(SpecError, match=r"(?s)with --set run.stesp=3: .*run.stesp: unknown key"):
+        JobSpec.from_yaml(p, overrides=["run.stesp=3"])  # the key came from the command line
+
+
+def test_a_section_whose_keys_are_all_commented_out_is_its_defaults(tmp_path):
+    p = write(tmp_path, "name: a\nmodel:\n  # preset: bert-mini\npeft:\n")
+    spec = JobSpec.from_yaml(p)
+    assert spec.model == ModelSpec() and spec.peft is None  # an optional section stays off
+    assert JobSpec.from_yaml(p, overrides=["model.preset=bert-mini"]).model.preset == "bert-mini"
+
+
+def test_a_misspelled_family_is_named_not_its_presets(tmp_path):
+    msg = spec_error({"model": {"family": "gtp2", "preset": "gpt2-mini"}})
+    assert "unknown model.family 'gtp2'" in msg and "(none: use overrides)" not in msg
+
+
+def test_a_relative_deepspeed_config_path_is_made_absolute(tmp_path, monkeypatch):
+    (tmp_path / "ds.json").write_text('{"gradient_clipping": 0.5}')
+    monkeypatch.chdir(tmp_path)
+    spec = JobSpec.from_dict({"strategy": {"deepspeed_config": "ds.json"}})
+    assert spec.strategy.deepspeed_config == str(tmp_path / "ds.json")
+    monkeypatch.chdir("/")  # read again elsewhere (a worker, `raylib export`): the same file
+    again = JobSpec.from_dict(yaml.safe_load(spec.to_yaml()))
+    assert load_json_or_path(again.strategy.deepspeed_config)["gradient_clipping"] == 0.5
+
+
+def test_run_checks_the_whole_spec_again_after_python_assignments():
+    """Each section validates its own assignments; the checks across sections run again when the
+    spec is run, before anything starts (here: 3 workers cannot split into tp groups of 2)."""
+    from raylib.train.trainer import run
+
+    spec = JobSpec.from_dict({"model": {"preset": "bert-tiny"}, "scaling": {"num_workers": 2}})
+    spec.scaling.num_workers = 3
+    spec.strategy.tensor_parallel = 2
+    with pytest.raises(SpecError, match="(?s)job spec .*num_workers=3 is not divisible by strategy.tensor"):
+        run(spec)
+
+
+def test_a_section_given_twice_is_an_error_not_a_silent_merge(tmp_path):
+    p = write(tmp_path, "name: a\nrun: {steps: 5}\nrun: {steps: 6}\n")
+    with pytest.raises(SpecError, match="'run' is given twice"):
+        JobSpec.from_yaml(p)
+    from raylib.fileio import load_yaml_mapping
+
+    merged = write(tmp_path, "a: &b {steps: 5, seed: 1}\nb: {<<: *b, steps: 6}\n", "x.yaml")
+    assert load_yaml_mapping(merged, "x")["b"] == {"steps": 6, "seed": 1}  # a merge key overrides

@@ -18,6 +18,13 @@ log = logging.getLogger(__name__)
 DATA_CPU_HEADROOM = 2
 
 
+def will_embed(address: str | None) -> bool:
+    """Whether connect(address) would start an embedded cluster on this machine."""
+    import ray
+
+    return not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS"))
+
+
 def connect(
     address: str | None = None,
     *,

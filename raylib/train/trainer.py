@@ -67,6 +67,10 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     # (a section validates its own assignments; checks across sections, e.g. workers against
     # tensor_parallel, run only when a spec is built), as the workers will read it
     JobSpec.from_dict(yaml.safe_load(spec.to_yaml()), source=f"job spec {spec.name!r}")
+    if runtime.will_embed(address):  # this machine will be the cluster: its GPUs are known now
+        import torch
+
+        decide_gpu(spec, {"GPU": torch.cuda.device_count()})
     preflight.check_storage(spec)  # an unreachable object store: one line, not botocore's retries
     if not is_built(spec.data.path):
         if spec.data.manifest is None:

@@ -574,3 +574,19 @@ def test_a_section_given_twice_is_an_error_not_a_silent_merge(tmp_path):
 
     merged = write(tmp_path, "a: &b {steps: 5, seed: 1}\nb: {<<: *b, steps: 6}\n", "x.yaml")
     assert load_yaml_mapping(merged, "x")["b"] == {"steps": 6, "seed": 1}  # a merge key overrides
+
+
+def test_a_gpu_job_on_an_embedded_cluster_without_gpus_fails_before_ray_starts(monkeypatch):
+    import ray
+    import torch
+
+    from raylib.train.trainer import run
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for scaling in ({"use_gpu": True}, {"gpus_per_worker": 0.5, "num_workers": 1}):
+        spec = JobSpec.from_dict({"model": {"preset": "bert-tiny"}, "scaling": scaling})
+        with pytest.raises(ValueError, match="GPU"):
+            run(spec)
+        assert not ray.is_initialized()

@@ -9,7 +9,9 @@ Conventions, every row:
 - peak_flops: dense peak (no 2:4 sparsity) per dtype, FLOP/s (int8: op/s); a dtype the device
   has no fast path for is absent rather than guessed;
 - memory_gb and memory_bandwidth_gbs: the device's own memory (HBM on the accelerators, DRAM on
-  the CPU node), GB and GB/s;
+  the CPU node) as its datasheet names it ("80GB") and its bandwidth, GB/s; memory_gib: that memory
+  in GiB, which the model uses: every part here is GiB-sized (HBM stacks and DIMMs come in powers
+  of two: an A100 80GB reports 81920 MiB = 80 GiB), each row's comment giving its figure's source;
 - link_gbs: per-device, per-direction bandwidth to a peer in the same node, GB/s (NVLink on the
   SXM GPUs: half the bidirectional figure NVIDIA quotes);
 - nic_gbs: per-device share of the reference system's inter-node network, GB/s, per direction;
@@ -41,6 +43,9 @@ class Accelerator:
     """Dense peak FLOP/s per dtype (fp32 without tensor cores; tf32, fp16, bf16, fp8 on them;
     int8 in op/s)."""
     memory_gb: float
+    """The datasheet's figure (its "GB" is GiB-sized on every row here)."""
+    memory_gib: float
+    """The device memory in GiB (2**30 bytes): what the model counts (memory_bytes)."""
     tdp_w: float
     interconnect: str
     key: str
@@ -56,6 +61,10 @@ class Accelerator:
     price_per_hour_usd: float | None
     capex_usd: float | None
     sources: tuple[str, ...]
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * 2**30
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -78,9 +87,10 @@ GPU_CATALOGUE: list[Accelerator] = [
     # p3dn.24xlarge, $31.212/h (/8 = $3.90), which also carries a 100 Gb/s NIC.
     # Capex: DGX-1 with V100 list price $149,000 at GTC May 2017 (tweaktown.com/news/57488,
     # nextplatform.com/2017/05/19/big-bang-buck-jump-new-dgx-1) / 8; launched with 16GB GPUs.
+    # Memory: 4 HBM2 stacks x 8 GiB = 32 GiB (32768 MiB).
     Accelerator(
         name="NVIDIA V100 SXM2 32GB", match=(r"V100-SXM2-32GB",),
-        peak_flops={"fp32": 15.7 * T, "fp16": 125 * T}, memory_gb=32, tdp_w=300,
+        peak_flops={"fp32": 15.7 * T, "fp16": 125 * T}, memory_gb=32, memory_gib=32, tdp_w=300,
         interconnect="NVLink 2.0 300 GB/s", key="v100", kind="gpu",
         memory_bandwidth_gbs=900, link_gbs=150, devices_per_node=8, nic_gbs=6.25,
         price_per_hour_usd=24.48 / 8, capex_usd=149_000 / 8,
@@ -93,10 +103,11 @@ GPU_CATALOGUE: list[Accelerator] = [
     # AWS's June 2025 GPU price cut (vantage mirror snapshot 2026-08-26; $32.7726/h before it) / 8
     # = $2.745. The 80GB part is in p4de.24xlarge, $27.44705/h (/8 = $3.43; datareceipts 109-gpu-
     # pricing, read 2026-11-09). Capex: DGX A100 launch price $199,000 (May 2020, 8x A100 40GB) / 8.
+    # Memory: nvidia-smi reports 81920 MiB = 80 GiB (5 HBM2e stacks x 16 GiB).
     Accelerator(
         name="NVIDIA A100 SXM 80GB", match=(r"A100-SXM4?-80GB", r"A100 SXM4? 80GB"),
         peak_flops={"fp32": 19.5 * T, "tf32": 156 * T, "fp16": 312 * T, "bf16": 312 * T},
-        memory_gb=80, tdp_w=400, interconnect="NVLink 3.0 600 GB/s", key="a100", kind="gpu",
+        memory_gb=80, memory_gib=80, tdp_w=400, interconnect="NVLink 3.0 600 GB/s", key="a100", kind="gpu",
         memory_bandwidth_gbs=2039, link_gbs=300, devices_per_node=8, nic_gbs=25,
         price_per_hour_usd=21.957642 / 8, capex_usd=199_000 / 8,
         sources=("NVIDIA A100 Tensor Core GPU datasheet (2021): https://www.nvidia.com/en-us/data-center/a100/",
@@ -112,10 +123,11 @@ GPU_CATALOGUE: list[Accelerator] = [
     # after the June 2025 cut (vantage mirror snapshot 2026-08-26; $98.32/h before it) / 8 = $6.88.
     # Capex: an assumed $310,000 per 8-GPU HGX H100 server with 8x 400G IB NICs (a public cost
     # sheet of Aug 2024 citing a ~$317k Thinkmate quote) / 8; no NVIDIA list price is published.
+    # Memory: 5 HBM3 stacks x 16 GiB = 80 GiB (nvidia-smi: 81559 MiB, the driver reserving a little).
     Accelerator(
         name="NVIDIA H100 SXM", match=(r"H100 80GB HBM3", r"H100.*SXM"),
         peak_flops={"fp32": 67 * T, "tf32": 494.5 * T, "fp16": 989.5 * T, "bf16": 989.5 * T, "fp8": 1979 * T},
-        memory_gb=80, tdp_w=700, interconnect="NVLink 4.0 900 GB/s", key="h100", kind="gpu",
+        memory_gb=80, memory_gib=80, tdp_w=700, interconnect="NVLink 4.0 900 GB/s", key="h100", kind="gpu",
         memory_bandwidth_gbs=3350, link_gbs=450, devices_per_node=8, nic_gbs=50,
         price_per_hour_usd=55.04 / 8, capex_usd=310_000 / 8,
         sources=("NVIDIA H100 Tensor Core GPU datasheet: https://www.nvidia.com/en-us/data-center/h100/",
@@ -129,11 +141,13 @@ GPU_CATALOGUE: list[Accelerator] = [
     # the H200 NVL. NVLink 4.0 as H100; DGX H200: 8x 400 Gb/s NDR = 50 GB/s per GPU. Price: AWS
     # p5en.48xlarge (8x H200) $63.296/h us-east-1 on-demand (vantage mirror snapshot 2026-08-26)
     # / 8 = $7.912. Capex: an assumption, no quote found: ~$350,000 per 8-GPU HGX H200 server
-    # (the H100 server above plus ~13% for the HBM3e) / 8.
+    # (the H100 server above plus ~13% for the HBM3e) / 8. Memory: nvidia-smi reports 143771 MiB =
+    # 140.4 GiB (the "141 GB"). Match: not the H200 NVL, nor the GH200 superchip (another part).
     Accelerator(
-        name="NVIDIA H200 SXM", match=(r"H200(?!.*NVL)",),
+        name="NVIDIA H200 SXM", match=(r"\bH200(?!.*NVL)",),
         peak_flops={"fp32": 67 * T, "tf32": 494.5 * T, "fp16": 989.5 * T, "bf16": 989.5 * T, "fp8": 1979 * T},
-        memory_gb=141, tdp_w=700, interconnect="NVLink 4.0 900 GB/s", key="h200", kind="gpu",
+        memory_gb=141, memory_gib=143771 / 1024, tdp_w=700, interconnect="NVLink 4.0 900 GB/s", key="h200",
+        kind="gpu",
         memory_bandwidth_gbs=4800, link_gbs=450, devices_per_node=8, nic_gbs=50,
         price_per_hour_usd=63.296 / 8, capex_usd=350_000 / 8,
         sources=("NVIDIA H200 Tensor Core GPU datasheet: https://www.nvidia.com/en-us/data-center/h200/",
@@ -152,11 +166,11 @@ OTHER_CATALOGUE: list[Accelerator] = [
     # 50 Gb/s) $6.144/h us-east-1 on-demand, the nearest on-demand node; its 50 Gb/s NIC is the
     # nic_gbs. Capex: an assumption, ~$26,000: 2x ~$8,100 (Intel's launch price for the 8380,
     # April 2021, as recalled: not re-checked here) plus ~$10,000 for board, 512 GB DDR4, chassis
-    # and NIC.
+    # and NIC. Memory: 16 x 32 GB DIMMs, each 32 GiB: 512 GiB.
     Accelerator(
         name="2x Intel Xeon Platinum 8380 node", match=(),
         peak_flops={"fp32": 2 * 40 * 2 * 16 * 2 * 2.3e9},
-        memory_gb=512, tdp_w=2 * 270, interconnect="UPI between sockets; 50 Gb/s Ethernet",
+        memory_gb=512, memory_gib=512, tdp_w=2 * 270, interconnect="UPI between sockets; 50 Gb/s Ethernet",
         key="cpu", kind="cpu",
         memory_bandwidth_gbs=2 * 8 * 25.6, link_gbs=6.25, devices_per_node=1, nic_gbs=6.25,
         price_per_hour_usd=6.144, capex_usd=26_000,
@@ -181,7 +195,8 @@ OTHER_CATALOGUE: list[Accelerator] = [
     Accelerator(
         name="Google TPU v4", match=(),
         peak_flops={"bf16": 275 * T, "int8": 275 * T},
-        memory_gb=32, tdp_w=192, interconnect="ICI 3D torus, 6 links/chip, optical circuit switches",
+        memory_gb=32, memory_gib=32, tdp_w=192,
+        interconnect="ICI 3D torus, 6 links/chip, optical circuit switches",
         key="asic", kind="asic",
         memory_bandwidth_gbs=1200, link_gbs=1.1e15 / 4096 / 1e9, devices_per_node=4,
         nic_gbs=1.1e15 / 4096 / 1e9,
@@ -202,10 +217,11 @@ OTHER_CATALOGUE: list[Accelerator] = [
     # nic_gbs: the card's own 2x 100 GbE = 25 GB/s. Price: None, no public cloud offers the U280
     # on demand that this catalogue found (AWS F1 is a VU9P, Azure NP a U250). Capex: an
     # assumption, not verified, ~$13,000: the card at ~$8,000 plus a quarter of a ~$20,000 host.
+    # Memory: 2 HBM2 stacks x 4 GiB = 8 GiB (32 pseudo-channels x 256 MiB, UG1393).
     Accelerator(
         name="AMD Alveo U280", match=(),
         peak_flops={"int8": 24.5 * T},
-        memory_gb=8, tdp_w=225, interconnect="PCIe Gen3 x16; 2x QSFP28 100 GbE",
+        memory_gb=8, memory_gib=8, tdp_w=225, interconnect="PCIe Gen3 x16; 2x QSFP28 100 GbE",
         key="fpga", kind="fpga",
         memory_bandwidth_gbs=460, link_gbs=15.75, devices_per_node=4, nic_gbs=25,
         price_per_hour_usd=None, capex_usd=13_000,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -78,6 +78,30 @@ class Calibration(_Section):
     """Per step: what no term models (Python, hooks, the host)."""
     source: str = "defaults (not calibrated)"
 
+    @field_validator("compute_efficiency")
+    @classmethod
+    def _positive_efficiency(cls, v: dict[str, float]) -> dict[str, float]:
+        # the step divides by it; above 1 is refused on accelerators only (ClusterSpec): on CPU the
+        # peak is a measured matmul, which calibrate lets a model's matmuls beat
+        for precision, value in v.items():
+            if not value > 0:
+                raise ValueError(f"{precision} = {value:g}: must be > 0 (achieved / peak, e.g. 0.5); "
+                                 "calibrate it or leave it out for the default")
+        return v
+
+    @field_validator("by_zero_stage")
+    @classmethod
+    def _stage_efficiency(cls, v: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+        for stage, values in v.items():
+            for name, value in values.items():
+                if name not in ("comm_efficiency", "optimizer_efficiency"):
+                    raise ValueError(f"{stage}.{name}: unknown; give comm_efficiency or "
+                                     "optimizer_efficiency")
+                if not 0 < value <= 1:
+                    raise ValueError(f"{stage}.{name} = {value:g}: must be in (0, 1] (achieved / peak "
+                                     "bandwidth)")
+        return v
+
 
 def stage_value(cal: Calibration, name: str, stage: int) -> float:
     """`name` (comm_efficiency, optimizer_efficiency) for ZeRO `stage`: its own, else the common one."""
@@ -93,7 +117,8 @@ class ClusterSpec(_Section):
     peak_flops: dict[str, float] | None = None
     """Per device and precision (overrides the catalogue; a CPU's measured matmul)."""
     memory_gb: float | None = Field(None, gt=0)
-    """Per device (a CPU worker: its share of the node)."""
+    """Per device, GB = 1e9 bytes (a CPU worker: its share of the node); None: the catalogue's
+    (an accelerator's GiB-sized memory, catalogue.Accelerator.memory_gib)."""
     memory_bandwidth_gbs: float | None = Field(None, gt=0)
     tdp_w: float | None = Field(None, gt=0)
     """Per device, W (overrides the catalogue)."""
@@ -130,6 +155,15 @@ class ClusterSpec(_Section):
         peaks = self.peak_flops if self.peak_flops is not None else row.peak_flops
         if not peaks:
             raise ValueError(f"accelerator {row.name!r} has no peak FLOP/s in the catalogue: give peak_flops")
+        for precision, value in (self.peak_flops or {}).items():
+            if not value > 0:
+                raise ValueError(f"peak_flops.{precision} = {value:g}: must be > 0 (FLOP/s per device, e.g. "
+                                 "3.12e14); leave it out for the catalogue's")
+        if row.kind != "cpu":  # a datasheet peak: nothing achieves more
+            for precision, value in self.calibration.compute_efficiency.items():
+                if value > 1:
+                    raise ValueError(f"calibration.compute_efficiency.{precision} = {value:g}: must be in "
+                                     f"(0, 1] on {row.name} (achieved / datasheet peak)")
         return self
 
     @classmethod
@@ -173,7 +207,7 @@ class ClusterSpec(_Section):
 
     @property
     def memory_bytes(self) -> float:
-        return (self.memory_gb or self.row.memory_gb) * 1e9
+        return self.memory_gb * 1e9 if self.memory_gb is not None else self.row.memory_bytes
 
     @property
     def memory_gbs(self) -> float:
@@ -205,20 +239,24 @@ class ClusterSpec(_Section):
         return levels[-1]
 
     def ring_hops(self, group: int, stride: int = 1) -> list[tuple[int, Level]]:
-        """(hops, level) of one pass of a ring over `group` ranks `stride` devices apart: it visits
-        each unit of the crossed level's inner level once (NCCL orders its rings so), so units - 1
-        hops cross the level and the rest stay inside a unit (a spread placement: every hop crosses)."""
+        """(hops, level) of one pass of a ring over `group` ranks `stride` devices apart, outermost
+        first: it visits each unit of every level once (NCCL orders its rings so), so of its
+        group - 1 hops, units(j-1) - units(j) cross level j (units(j): the level-j units the group
+        spans) and the rest stay inside a node (a spread placement: every hop crosses)."""
         level = self.level_for(group, stride)
         if level is None:
             return []
         levels = self.topology()
         i = levels.index(level)
-        if self.placement == "spread" or i == 0:
+        if self.placement == "spread":
             return [(group - 1, level)]
-        inner = levels[i - 1]
-        per_unit = max(1, (inner.devices or 1) // stride)
-        units = -(-group // per_unit)
-        return [(units - 1, level), (group - units, inner)]
+        hops, below = [], group  # below: units of the level under j (level 0: the ranks)
+        for inner in levels[:i + 1]:
+            per_unit = max(1, (inner.devices or group * stride) // stride)
+            units = -(-group // per_unit)
+            hops.append((below - units, inner))
+            below = units
+        return hops[::-1]
 
     def busy_share(self, ranks_on_node: int) -> float:
         """The share of a rank's node's other cores that train beside it (0 off shared-core nodes)."""
@@ -235,4 +273,4 @@ class ClusterSpec(_Section):
 def _first_error(e: ValidationError) -> str:
     err = e.errors()[0]
     where = ".".join(str(x) for x in err["loc"]) or "cluster"
-    return f"{where}: {err['msg']}"
+    return f"{where}: {err['msg'].removeprefix('Value error, ')}"

@@ -1,6 +1,11 @@
 """What a finished run cost (summary.json `cost`): device-hours, their price, per million tokens,
 and the energy bill. Devices are paid for while they are held: the run's wall time, start-up and
-checkpoints included, not only its steps."""
+checkpoints included, not only its steps.
+
+One definition, shared with `raylib estimate` (perf/estimate.py cost_of): the cost is device-hours x
+the price per device-hour, which pays for the device's power (an on-demand cloud price includes
+it), and per million tokens is that cost / the tokens trained. The energy and its cost are
+reported beside it, not added (that would pay for the power twice)."""
 
 from __future__ import annotations
 
@@ -31,13 +36,12 @@ def run_cost(spec, summary: dict[str, Any]) -> dict[str, Any]:
     energy = ((summary.get("telemetry") or {}).get("energy") or {})
     kwh = energy.get("facility_kwh", energy.get("kwh"))
     energy_cost = kwh * spec.cost.price_per_kwh if kwh is not None else None
-    total = None if cost is None and energy_cost is None else (cost or 0.0) + (energy_cost or 0.0)
     return {
         "currency": spec.cost.currency, "device_hours": device_hours, "price_per_device_hour": price,
         "price_source": source, "device_cost": cost, "energy_kwh": kwh,
         "energy_basis": ("facility (x PUE)" if "facility_kwh" in energy else "IT (no telemetry.pue)")
         if kwh is not None else None,
         "energy_estimate": energy.get("estimate"), "price_per_kwh": spec.cost.price_per_kwh,
-        "energy_cost": energy_cost, "total": total,
-        "per_million_tokens": total / tokens * 1e6 if total is not None and tokens else None,
+        "energy_cost": energy_cost, "total": cost,
+        "per_million_tokens": cost / tokens * 1e6 if cost is not None and tokens else None,
     }

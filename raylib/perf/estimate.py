@@ -59,18 +59,21 @@ def workload_of(spec, index=None) -> Workload:
                     compression_ratio=compression_ratio(shape, s.compression, s.precision))
 
 
-def local_cluster(spec, calibration=None) -> ClusterSpec:
+def local_cluster(spec, calibration=None, world: int | None = None,
+                  cpus: float | None = None) -> ClusterSpec:
     """This machine as a cluster: one CPU 'device' per Ray Train worker (its cpus_per_worker
     threads) on one node of os.cpu_count() cores, the peak its matmul measures (cached, as MFU
     uses), memory bandwidth 40 GB/s (measured here: a 1-thread add of 128 MB arrays moves 45 GB/s
     alone, 37 each with both cores busy; the calibration scales it), one level (the host, a nominal
     5 GB/s the calibration scales), the job's tiers at their stated bandwidth (else a local disk's
-    order)."""
+    order). `world` and `cpus` (per worker) size it for several runs: default, the spec's."""
     import os
 
     from raylib.telemetry.flops import cpu_model, peak_flops
 
-    threads = max(1, int(spec.scaling.cpus_per_worker))
+    world = world or spec.world_size
+    cpus = cpus or spec.scaling.cpus_per_worker
+    threads = max(1, int(cpus))
     peaks = {p: peak_flops("cpu", p, threads=threads).flops for p in ("fp32", "bf16")}
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     tiers = [StorageTier(name=t.name, read_gbs=(t.bandwidth or 1e9) / 1e9) for t in spec.data.tiers]
@@ -78,9 +81,9 @@ def local_cluster(spec, calibration=None) -> ClusterSpec:
     data: dict[str, Any] = {
         "name": f"this machine: {threads} core(s) of {cpu_model()} per worker",
         "tdp_w": 10.0 * threads,  # telemetry's estimate: 10 W per busy core
-        "accelerator": "cpu", "devices": spec.world_size, "devices_per_node": spec.world_size,
-        "host_cores_per_node": os.cpu_count(), "cores_per_device": spec.scaling.cpus_per_worker,
-        "peak_flops": peaks, "memory_gb": memory / spec.world_size / 1e9, "memory_bandwidth_gbs": 40.0,
+        "accelerator": "cpu", "devices": world, "devices_per_node": world,
+        "host_cores_per_node": os.cpu_count(), "cores_per_device": cpus,
+        "peak_flops": peaks, "memory_gb": memory / world / 1e9, "memory_bandwidth_gbs": 40.0,
         "levels": [{"name": "host", "devices": None, "bandwidth_gbs": 5.0, "latency_us": 20.0}],
         "tiers": [t.model_dump() for t in tiers], "price_per_device_hour": 0.05,
     }
@@ -91,18 +94,24 @@ def local_cluster(spec, calibration=None) -> ClusterSpec:
 
 def cost_of(prediction: Prediction, cluster: ClusterSpec, workload: Workload, steps: int,
             tdp_w: float | None = None) -> dict[str, Any]:
-    """Time, device-hours, cost, energy of `steps` steps (priced at the cluster's rates)."""
+    """Time, device-hours, cost, energy of `steps` steps (priced at the cluster's rates). As for a
+    finished run (perf/cost.py: one definition): cost = device-hours x the price per device-hour,
+    which pays for the device's power (a cloud price includes it), so the energy and its cost are
+    reported beside it, not added; cost per million tokens = that cost / the tokens trained."""
     hours = prediction.step_s * steps / 3600
     device_hours = hours * workload.world
     price = cluster.price()
+    source = ("the cluster's price_per_device_hour" if cluster.price_per_device_hour is not None
+              else f"catalogue: {cluster.row.name} cloud on-demand")
     watts = tdp_w if tdp_w is not None else (cluster.tdp_w or cluster.row.tdp_w)
     energy_kwh = device_hours * watts / 1000 * cluster.pue
     tokens = workload.tokens_per_step * steps
     device_cost = device_hours * price if price is not None else None
     energy_cost = energy_kwh * cluster.price_per_kwh
     return {"wall_h": hours, "device_hours": device_hours, "price_per_device_hour": price,
-            "cost": device_cost,
-            "cost_per_million_tokens": device_cost / tokens * 1e6 if device_cost else None,
+            "price_source": source if price is not None else None, "cost": device_cost,
+            "cost_per_million_tokens": device_cost / tokens * 1e6 if device_cost is not None and tokens
+            else None,
             "energy_kwh": energy_kwh, "energy_cost": energy_cost, "tokens": tokens,
             "assumptions": [f"power: TDP {watts:.0f} W per device x PUE {cluster.pue} (an upper bound)",
                             f"electricity {cluster.price_per_kwh} per kWh"]}
@@ -126,6 +135,9 @@ def estimate_main(args: argparse.Namespace) -> int:
         spec = JobSpec.from_yaml(args.config, overrides=args.overrides)
         cluster = ClusterSpec.from_yaml(args.cluster) if args.cluster else local_cluster(spec)
         workload = workload_of(spec)
+        from raylib.train.parallel import check_layout  # refuse what `raylib run` refuses (no Ray)
+
+        check_layout(spec, workload.config)
         if not cluster.tiers:  # the cluster states no storage: no data term (said below)
             workload.data_tier = None
         prediction = predict(workload, cluster)
@@ -153,9 +165,11 @@ def render(name: str, p: Prediction, cost: dict[str, Any], cluster: ClusterSpec,
              f"  memory      {p.memory_bytes_per_rank / gib:.2f} GiB per rank of "
              f"{p.memory_limit_bytes / gib:.1f} GiB" + ("" if p.fits else "  DOES NOT FIT"),
              f"  {steps} steps  {cost['wall_h']:.2f} h, {cost['device_hours']:.1f} device-hours"
-             + (f", {cost['cost']:,.2f} USD ({cost['cost_per_million_tokens']:.3f} per million tokens)"
+             + (f", {cost['cost']:,.2f} USD ({cost['cost_per_million_tokens']:.3f} per million tokens) at "
+                f"{cost['price_per_device_hour']:,.4g} USD per device-hour ({cost['price_source']})"
                 if cost["cost"] is not None else ", no price (set price_per_device_hour)"),
-             f"  energy      {cost['energy_kwh']:.2f} kWh, {cost['energy_cost']:,.2f} USD",
+             f"  energy      {cost['energy_kwh']:.2f} kWh, {cost['energy_cost']:,.2f} USD (paid within the "
+             "device-hour price: not added to the cost)",
              "  assumptions: " + "; ".join(p.assumptions + cost["assumptions"])]
     return "\n".join(lines)
 
@@ -183,7 +197,11 @@ def calibrate_main(args: argparse.Namespace) -> int:
 
     with contextlib.redirect_stdout(sys.stderr):
         loaded = [load_run(r) for r in args.runs]
-        cluster = ClusterSpec.from_yaml(args.cluster) if args.cluster else local_cluster(loaded[0][0])
+        # this machine sized for the largest run, whatever order the run directories come in
+        specs = [spec for spec, _ in loaded]
+        cluster = ClusterSpec.from_yaml(args.cluster) if args.cluster else local_cluster(
+            specs[0], world=max(s.world_size for s in specs),
+            cpus=max(s.scaling.cpus_per_worker for s in specs))
         runs = [measured_from_summary(summary, workload_of(spec), label=str(r))
                 for r, (spec, summary) in zip(args.runs, loaded, strict=True)]
         fitted = replace_cal(cluster, calibrate(runs, cluster))

@@ -140,7 +140,10 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
     from raylib.telemetry.flops import train_flops_per_token
     from raylib.tune.memory import estimate
 
-    s, cal = w.strategy, cluster.calibration
+    # the strategy as the job resolved it (a global_batch_size-only job leaves micro_batch_size None)
+    s = w.strategy.model_copy(update={"micro_batch_size": w.micro_batch,
+                                      "gradient_accumulation_steps": w.accumulation})
+    cal = cluster.calibration
     tp, pp, dp = s.tensor_parallel, s.pipeline_parallel, w.dp
     if w.world > cluster.devices:
         raise ValueError(f"the job needs {w.world} devices but the cluster has {cluster.devices}: raise "
@@ -181,10 +184,13 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
     tokens_micro = w.micro_batch * w.seq_len
     weight_s = (flops_rank - score_flops) / (peak * efficiency) * (1 + cal.half_rate_tokens / tokens_micro)
     compute = weight_s + score_s + cal.per_layer_overhead_s * layers / pp * micro
-    # element-wise traffic: the tuner's activation bytes per micro-batch (its 16-bit-unit count)
+    # element-wise traffic: the tuner's activation bytes of one micro-batch (its 16-bit-unit count)
+    # through this stage's layers / pp; one in flight, so the tuner's schedule (in-flight) scaling,
+    # which is memory held, not bytes moved, drops out
     from raylib.tune.memory import _activations
 
-    activations = _activations(w.shape, s) / pp
+    one = s.model_copy(update={"pipeline_parallel": 1, "gradient_accumulation_steps": 1})
+    activations = _activations(w.shape, one) / pp
     elementwise = 3 * activations * micro / memory_rate
     if s.kernels in ("fused", "compile"):
         elementwise *= 1 - FUSED_SAVING
@@ -238,8 +244,8 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
 
     # optimizer: the states this rank owns
     owned = trainable / (tp * pp) / (dp if s.zero_stage >= 1 else 1)
-    optimizer = owned * ADAM_BYTES_PER_PARAM / (cluster.memory_gbs * 1e9 *
-                                                stage_value(cal, "optimizer_efficiency", s.zero_stage))
+    optimizer_eff = stage_value(cal, "optimizer_efficiency", s.zero_stage)
+    optimizer = owned * ADAM_BYTES_PER_PARAM / (cluster.memory_gbs * 1e9 * optimizer_eff)
     ranks_on_node = min(cluster.per_node, w.world)
 
     # data
@@ -282,18 +288,26 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
     bottleneck = max(parts, key=parts.get)
     if memory > limit:
         bottleneck = "memory"
+    assumptions = [
+        f"compute efficiency {efficiency:.3g} of the {precision} peak {peak / 1e12:.3g} TFLOP/s "
+        f"({cal.source})",
+        # the values the terms used: ZeRO-stage ones where the calibration has them
+        f"data-parallel collectives at {dp_eff:.0%} of the link bandwidth (ZeRO-{s.zero_stage}), "
+        f"tensor and pipeline ones at {cal.comm_efficiency:.0%}; overlap of the gradient reduction "
+        f"with backward: {overlap:.0%}",
+        f"optimizer step at {optimizer_eff:.0%} of the memory bandwidth (ZeRO-{s.zero_stage})",
+        f"placement: {cluster.placement}",
+    ]
+    if s.compression.method == "zeropp":
+        assumptions.append("compression zeropp: modelled uncompressed (ZeRO++'s quantized weight "
+                           "gathers and gradient reduction are not modelled: communication is an upper "
+                           "bound)")
     return Prediction(
         step_s=step, parts_s=parts, communication_total_s=communication_total, flops_per_step=flops_step,
         mfu=flops_step / (step * peak * w.world), tokens_per_s=w.tokens_per_step / step,
         samples_per_s=w.tokens_per_step / w.seq_len / step, memory_bytes_per_rank=int(memory),
         memory_limit_bytes=limit, fits=memory <= limit, bottleneck=bottleneck, levels=levels,
-        assumptions=[
-            f"compute efficiency {efficiency:.3g} of the {precision} peak {peak / 1e12:.3g} TFLOP/s "
-            f"({cal.source})",
-            f"collectives at {cal.comm_efficiency:.0%} of the link bandwidth; overlap of the gradient "
-            f"reduction with backward: {overlap:.0%}",
-            f"placement: {cluster.placement}",
-        ],
+        assumptions=assumptions,
     )
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+CATALOGUE_CURRENCY = "USD"  # raylib/perf/catalogue.py's prices (price_per_hour_usd, capex_usd)
 HOURS_PER_YEAR = 8760.0  # 365 days; leap days are below the precision of any price here
 
 
@@ -434,23 +435,36 @@ def main(args: argparse.Namespace) -> int:
     if args.example == "brief":
         data = brief_per_token_example().model_dump(exclude_defaults=True)
         notes = list(BRIEF_NOTES)
+    catalogue: dict[str, float | None] = {}
     if getattr(args, "accelerator", None):  # the catalogue's figures, under any file or --set
         from raylib.perf.catalogue import accelerator
 
         row = accelerator(args.accelerator)
-        for field_name, value in (("device_capex", row.capex_usd), ("cloud_price_per_device_hour",
-                                                                    row.price_per_hour_usd)):
-            if value is None:
-                raise ValueError(f"--accelerator {args.accelerator}: the catalogue has no {field_name} for "
-                                 f"{row.name}; give it with --set {field_name}=...")
-            data[field_name] = value
-        notes.append(f"device capex and cloud price: the catalogue's {row.name} row (sources there)")
+        catalogue = {"device_capex": row.capex_usd, "cloud_price_per_device_hour": row.price_per_hour_usd}
+        data.update({k: v for k, v in catalogue.items() if v is not None})
+    user: dict[str, Any] = {}
     if args.config:
         from raylib.fileio import load_yaml_mapping
 
-        data.update(load_yaml_mapping(args.config, "TCO config file"))
+        user = load_yaml_mapping(args.config, "TCO config file")
         source = args.config
-    spec = TcoSpec.from_dict(_apply_overrides(data, args.overrides), source=source)
+    user = _apply_overrides(user, args.overrides)
+    spec = TcoSpec.from_dict({**data, **user}, source=source)
+    if catalogue:  # checked after the file and --set, which may supply what the catalogue lacks
+        # per-token billing never reads the cloud's device-hour price
+        used = [k for k in catalogue if k not in user
+                and not (k == "cloud_price_per_device_hour" and spec.per_token)]
+        for k in used:
+            if catalogue[k] is None:
+                raise ValueError(f"--accelerator {args.accelerator}: the catalogue has no {k} for "
+                                 f"{row.name}; give it with --set {k}=...")
+        if used and spec.currency != CATALOGUE_CURRENCY:
+            raise ValueError(f"--accelerator {args.accelerator}: the catalogue's prices are "
+                             f"{CATALOGUE_CURRENCY} but currency is {spec.currency}; give them in "
+                             f"{spec.currency} with " + " ".join(f"--set {k}=..." for k in used)
+                             + f", or set currency={CATALOGUE_CURRENCY}")
+        if used:
+            notes.append(f"{' and '.join(used)}: the catalogue's {row.name} row (sources there)")
     result = compare(spec, notes)
     if args.plot:
         plot(spec, args.plot)
@@ -467,12 +481,14 @@ def format_table(r: Comparison) -> str:
     s, o, c, be = r.spec, r.onprem, r.cloud, r.break_even
     cur = s.currency
     rows = [(k, getattr(o, k)) for k in ("capex", "power", "cooling", "space", "maintenance", "staff")]
+    # columns as wide as the largest figure (big fleets over long horizons), 16 at least
+    w = max(16, *(len(f"{v:,.0f}") + 2 for v in [*(v for _, v in rows), o.total, c.total]))
     lines = [f"TCO over {s.years:g} years ({cur}): {s.devices} devices at {s.utilisation:.1%} utilisation",
-             f"  {'':<14}{'on-prem':>16}{'cloud':>16}"]
-    lines += [f"  {k:<14}{v:>16,.0f}" for k, v in rows]
+             f"  {'':<14}{'on-prem':>{w}}{'cloud':>{w}}"]
+    lines += [f"  {k:<14}{v:>{w},.0f}" for k, v in rows]
     usage = f"{c.tokens:,.3g} tokens" if c.billing == "token" else f"{c.device_hours:,.0f} device-h"
-    lines.append(f"  {'cloud':<14}{'':>16}{c.total:>16,.0f}   ({usage}, per {c.billing})")
-    lines.append(f"  {'total':<14}{o.total:>16,.0f}{c.total:>16,.0f}")
+    lines.append(f"  {'cloud':<14}{'':>{w}}{c.total:>{w},.0f}   ({usage}, per {c.billing})")
+    lines.append(f"  {'total':<14}{o.total:>{w},.0f}{c.total:>{w},.0f}")
     lines.append(f"cheaper: {r.cheaper}, by {r.saving:,.0f} {cur} over {s.years:g} years")
     if be.utilisation is None:
         lines.append("break-even utilisation: none (cloud is cheaper even at 100% load)")

@@ -43,7 +43,7 @@ def rank(spec, settings, cluster) -> list[dict[str, Any]]:
                 row.update(step_s=p.step_s, samples_per_s=p.samples_per_s, tokens_per_s=p.tokens_per_s,
                            mfu=p.mfu, bottleneck=p.bottleneck,
                            usd_per_mtok=price * job.world_size / 3600 / p.tokens_per_s * 1e6
-                           if price else None)
+                           if price is not None else None)  # a free cluster costs 0, not unknown
         rows.append(row)
     key = "usd_per_mtok" if settings.objective == "cost_per_token" else "samples_per_s"
     if key == "usd_per_mtok" and price is None:

@@ -65,7 +65,9 @@ def test_lookup_by_key_name_and_cuda_name():
 
 
 def test_unknown_accelerator_names_it_and_lists_the_keys():
-    for unknown in ("NVIDIA GeForce RTX 4090", "NVIDIA H100 PCIe", "NVIDIA H200 NVL", "b200", ""):
+    # GH200 is a Grace-Hopper superchip, not the H200 SXM
+    for unknown in ("NVIDIA GeForce RTX 4090", "NVIDIA H100 PCIe", "NVIDIA H200 NVL", "NVIDIA GH200 480GB",
+                    "b200", ""):
         with pytest.raises(ValueError) as err:
             C.accelerator(unknown)
         message = str(err.value)
@@ -150,3 +152,21 @@ def test_published_figures_are_consistent():
         elif (f.accelerator, f.gpus, f.seq_len, f.precision) == ("v100", 1, 512, "fp32"):
             assert model_flops > peak
     assert sum(not f.padded for f in PUBLISHED) == 8
+
+
+def test_memory_is_counted_in_the_gib_the_parts_hold():
+    """HBM comes in GiB: nvidia-smi's totals (MiB) are what a job can fill, not 'GB' x 1e9."""
+    from raylib.perf.cluster import ClusterSpec
+
+    mib = 2**20
+    assert C.accelerator("a100").memory_bytes == 81920 * mib
+    assert C.accelerator("v100").memory_bytes == 32768 * mib
+    assert C.accelerator("h200").memory_bytes == 143771 * mib
+    assert C.accelerator("asic").memory_bytes == 32 * 2**30  # Cloud TPU v4: 32 GiB HBM2
+    for row in C.CATALOGUE:  # the datasheet's figure, read as GiB, within the driver's reserve
+        assert row.memory_gib == pytest.approx(row.memory_gb, rel=0.01), row.name
+    a100 = ClusterSpec.model_validate({"accelerator": "a100", "devices": 8})
+    assert a100.memory_bytes == 80 * 2**30
+    # a cluster file's own figure is in GB, as its field says
+    own = ClusterSpec.model_validate({"accelerator": "a100", "devices": 8, "memory_gb": 40})
+    assert own.memory_bytes == 40e9

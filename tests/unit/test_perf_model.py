@@ -324,3 +324,84 @@ def test_calibration_names_a_run_measured_on_a_busy_machine():
     clean = [Measured(r.workload, predict(r.workload, true_cluster).step_s,
                       alone if r.label == "run2" else r.parts_s, r.label) for r in runs]
     assert misfits(score(clean, replace_cal(cluster, calibrate(clean, cluster, terms=())))) == []
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_pipeline_stage_moves_its_layers_share_of_each_micro_batchs_element_wise_bytes(schedule):
+    """The element-wise traffic is per micro-batch through a stage's layers / pp: pp stages add up
+    to the unpipelined model's, whatever the schedule holds in flight (the tuner's memory)."""
+    def elementwise(pp: int, micro: int) -> float:
+        s = StrategySpec(zero_stage=0, precision="bf16", micro_batch_size=4, pipeline_parallel=pp,
+                         gradient_accumulation_steps=micro, pipeline_schedule=schedule)
+        w = Workload(config=BERT_LARGE, shape=LARGE_SHAPE, strategy=s, world=16, micro_batch=4,
+                     accumulation=micro, seq_len=128)
+        bubble = 1 + (pp - 1) / micro
+        return predict(w, cluster()).parts_s["elementwise"] / micro / bubble
+
+    whole = elementwise(1, 8)
+    assert elementwise(1, 1) == pytest.approx(whole)
+    for micro in (1, 4, 8):
+        assert 4 * elementwise(4, micro) == pytest.approx(whole, rel=1e-9), micro
+
+
+def test_a_global_batch_only_job_is_predicted_at_its_resolved_micro_batch():
+    from raylib.tune.memory import estimate
+
+    given = workload(world=16, micro_batch_size=32)
+    only_global = workload(world=16, micro_batch_size=None, global_batch_size=32 * 16)
+    a, b = predict(given, cluster()), predict(only_global, cluster())
+    assert b.parts_s == pytest.approx(a.parts_s)
+    assert b.memory_bytes_per_rank == a.memory_bytes_per_rank == \
+        estimate(LARGE_SHAPE, given.strategy, 16, True).device_bytes
+
+
+def test_a_ring_over_three_levels_crosses_each_levels_units_once():
+    """128 ranks on 16 nodes of 8 under 4 leaves of 32: a ring enters each leaf once (3 spine
+    hops), each node once inside its leaf (4 x 3 leaf hops), and the rest stay inside a node."""
+    c = ClusterSpec.model_validate({
+        "accelerator": "v100", "devices": 128,
+        "levels": [{"name": "node", "devices": 8, "bandwidth_gbs": 150, "latency_us": 3},
+                   {"name": "leaf", "devices": 32, "bandwidth_gbs": 6.25, "latency_us": 5},
+                   {"name": "spine", "devices": None, "bandwidth_gbs": 6.25, "latency_us": 8}]})
+    hops = [(n, level.name) for n, level in c.ring_hops(128)]
+    assert hops == [(3, "spine"), (4 * 3, "leaf"), (128 - 16, "node")]
+    assert sum(n for n, _ in c.ring_hops(64, stride=2)) == 63  # every hop counted once
+    assert [(n, level.name) for n, level in c.ring_hops(8)] == [(7, "node")]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"calibration": {"compute_efficiency": {"bf16": 0}}}, r"compute_efficiency: bf16 = 0: must be > 0"),
+    ({"calibration": {"compute_efficiency": {"bf16": -0.5}}}, r"compute_efficiency: bf16 = -0.5: must be"),
+    ({"calibration": {"compute_efficiency": {"bf16": 1.5}}},
+     r"compute_efficiency\.bf16 = 1.5: must be in \(0, 1\]"),
+    ({"calibration": {"by_zero_stage": {2: {"comm_efficiency": 0}}}},
+     r"by_zero_stage: 2\.comm_efficiency = 0: must be in \(0, 1\]"),
+    ({"peak_flops": {"bf16": 0}}, r"peak_flops\.bf16 = 0: must be > 0"),
+    ({"peak_flops": {"bf16": -1e15}}, r"peak_flops\.bf16 = -1e\+15: must be > 0"),
+])
+def test_calibration_and_peaks_that_would_divide_by_zero_or_mislead_are_refused(change, message, tmp_path):
+    import yaml
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({"accelerator": "h100", "devices": 8, **change}))
+    with pytest.raises(ValueError, match=message):
+        ClusterSpec.from_yaml(path)
+
+
+def test_a_cpu_calibration_may_beat_its_measured_matmul_peak():
+    node = {"accelerator": "cpu", "devices": 1, "peak_flops": {"fp32": 1e11},
+            "calibration": {"compute_efficiency": {"fp32": 1.2}}}
+    assert ClusterSpec.model_validate(node).calibration.compute_efficiency["fp32"] == 1.2
+
+
+def test_the_assumptions_state_the_efficiencies_the_terms_used():
+    cal = {**EXACT.model_dump(), "comm_efficiency": 0.8, "optimizer_efficiency": 0.5,
+           "by_zero_stage": {2: {"comm_efficiency": 0.3, "optimizer_efficiency": 0.2}}}
+    c = cluster(calibration=cal)
+    said = " ".join(predict(workload(zero_stage=2), c).assumptions)
+    assert "at 30% of the link bandwidth (ZeRO-2)" in said and "optimizer step at 20%" in said
+    said = " ".join(predict(workload(zero_stage=1), c).assumptions)
+    assert "at 80% of the link bandwidth (ZeRO-1)" in said and "optimizer step at 50%" in said
+    zeropp = workload(zero_stage=3, compression=CompressionSpec(method="zeropp"))
+    assert any("zeropp: modelled uncompressed" in a for a in predict(zeropp, c).assumptions)
+    assert not any("zeropp" in a for a in predict(workload(zero_stage=3), c).assumptions)

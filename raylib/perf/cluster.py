@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
@@ -168,19 +167,15 @@ class ClusterSpec(_Section):
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> ClusterSpec:
+        from raylib.fileio import load_yaml_mapping
+        from raylib.spec import apply_override
+
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"cluster file {path} not found")
-        data: dict[str, Any] = yaml.safe_load(path.read_text()) or {}
+        data: dict[str, Any] = load_yaml_mapping(path, "cluster file")  # bad YAML: one error line
         for item in overrides or []:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ValueError(f"--set {item!r}: expected key=value, e.g. devices=16")
-            node = data
-            *parents, leaf = key.split(".")
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = yaml.safe_load(value)
+            apply_override(data, item)
         try:
             return cls.model_validate(data)
         except ValidationError as e:

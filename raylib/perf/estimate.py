@@ -119,12 +119,22 @@ def cost_of(prediction: Prediction, cluster: ClusterSpec, workload: Workload, st
 
 # -- CLI ----------------------------------------------------------------------------------------------
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of steps >= 1")
+    return n
+
+
 def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="a JobSpec YAML")
     p.add_argument("--cluster", help="a cluster YAML (raylib/perf/cluster.py); default: this machine")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a JobSpec field (as raylib run --set)")
-    p.add_argument("--steps", type=int, help="steps to price (default: the job's run.steps)")
+    p.add_argument("--steps", type=_positive_int, help="steps to price (default: the job's run.steps)")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
 
 

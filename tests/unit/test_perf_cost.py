@@ -222,3 +222,13 @@ def test_tco_table_columns_fit_their_figures():
             figures = line.split("(")[0].split()[1:]
             assert figures and all(re.fullmatch(r"[\d,]+", f) for f in figures), line
             assert len(figures) == (2 if line.startswith("  total") else 1), line  # not run together
+
+
+def test_estimate_bad_cluster_yaml_and_bad_steps_are_one_error_line(tmp_path):
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("accelerator: a100\ndevices: [8\n")
+    out = _cli("estimate", "jobs/configs/demo.yaml", "--cluster", str(cluster))
+    assert out.returncode == 2 and "not valid YAML" in out.stderr and "Traceback" not in out.stderr
+    for steps in ("-5", "0"):
+        out = _cli("estimate", "jobs/configs/demo.yaml", "--steps", steps)
+        assert out.returncode == 2 and "give a number of steps >= 1" in out.stderr

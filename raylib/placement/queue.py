@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import enum
 import itertools
+import numbers
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,10 +54,11 @@ from raylib.placement.planner import (
     free_array,
     plan,
 )
-from raylib.placement.sharing import EPS, POLICIES, Devices, Mix, Request, Slot
+from raylib.placement.sharing import EPS, POLICIES, RAY_UNIT_SCALING, Devices, Mix, Request, Slot, ray_units
 from raylib.placement.topology import Topology
 
 MIX_WINDOW = 200  # requests (per-worker shapes) the FGD mix is learned from
+RANK = 1.0  # what a rank takes of a device state's "CPUs", which count ranks (see _empty_devices)
 
 
 class Policy(BaseModel):
@@ -71,7 +73,7 @@ class Policy(BaseModel):
     backfill: bool = True
     """Let later jobs start while the head waits, if they do not delay it (EASY)."""
     quotas: dict[str, int] = Field(default_factory=dict)
-    """Tenant -> most accelerators its running jobs may hold."""
+    """Tenant -> most accelerators its running jobs may hold (a shared worker holds its share)."""
     default_quota: int | None = Field(None, ge=0)
     """Quota of tenants not in `quotas` (None: unlimited)."""
     sharing: str = Field("fgd", pattern="^(" + "|".join(POLICIES) + ")$")
@@ -114,7 +116,9 @@ class Job:
     share: float = 1.0
     """Each worker's share of one accelerator (< 1: placed on shared devices, see `sharing`)."""
     cpus: float = 1.0
-    """CPUs per worker (shared devices: a node must have them free too)."""
+    """CPUs per worker: each bundle asks Ray for them, and Ray's placement group checks them (the
+    topology has no CPU counts). The queue counts ranks instead: a node short of CPUs hosts at most
+    its `usable` ranks, whole or shared."""
     workload: str = "compute"
     """compute or io: a shared device prefers sharers of the other kind (co-location)."""
     _seq: int = field(default=0, repr=False)
@@ -123,10 +127,24 @@ class Job:
     def __post_init__(self) -> None:
         self._shape = self.parallelism
         group = self.parallelism.tp * self.parallelism.pp
-        if self.sizes and (sorted(self.sizes) != list(self.sizes) or self.sizes[-1] != self.parallelism.world
-                           or any(n % group for n in self.sizes)):
-            raise ValueError(f"job {self.id!r}: sizes {self.sizes} must ascend to its world size "
-                             f"{self.parallelism.world}, each a multiple of tp x pp = {group}")
+        sizes = tuple(self.sizes)
+        if sizes and (any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1 for n in sizes)
+                      or any(a >= b for a, b in itertools.pairwise(sizes))
+                      or sizes[-1] != self.parallelism.world or any(n % group for n in sizes)):
+            example = tuple(range(group, self.parallelism.world + 1, group))
+            raise ValueError(f"job {self.id!r}: sizes {sizes} must ascend strictly (no repeats) to its "
+                             f"world size {self.parallelism.world}, each a whole number >= 1 and a "
+                             f"multiple of tp x pp = {group}, e.g. sizes={example}")
+        self.sizes = sizes
+        v = self.share
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v <= 1:
+            raise ValueError(f"job {self.id!r}: share={v!r} must be in (0, 1]: each worker's fraction of one "
+                             "accelerator (1: a whole one; for more per worker use tp)")
+        if v < 1 - EPS and ray_units(v) == 0:
+            raise ValueError(f"job {self.id!r}: share={v:g} is below Ray's resolution of "
+                             f"{1 / RAY_UNIT_SCALING:g}; use at least that")
+        # what Ray will hold (its fixed point), so quotas, bundles and placement agree
+        self.share = 1.0 if v >= 1 - EPS else ray_units(v) / RAY_UNIT_SCALING
 
     @property
     def gpus(self) -> int:
@@ -193,16 +211,17 @@ class GangQueue:
         self.jobs: dict[str, Job] = {}
         self._queue: list[tuple[tuple, Job]] = []  # sorted by _key
         self._running: dict[str, Job] = {}
-        self._tenant_use: dict[str, int] = {}
+        self._tenant_use: dict[str, float] = {}  # accelerators held (shares summed)
         self._seq = itertools.count()
         self._version = 0  # bumped whenever free capacity changes
         self._fit_cache: dict[tuple, bool] = {}
         self._resv_cache: tuple | None = None
         self._use: dict[str, np.ndarray] = {}  # accelerators per global island of running jobs
         # device level, for shared accelerators: every running job's slots on `devices`
-        self.devices = Devices([n.gpus for n in topology.nodes])
+        self.devices = self._empty_devices()
         self._slots: dict[str, list[Slot]] = {}
         self._recent: deque[Request] = deque(maxlen=MIX_WINDOW)
+        self._mix: Mix | None = None  # Mix.of(_recent), built on first use after a submit
         self._kinds: list[Counter] = [Counter() for _ in topology.nodes]  # workload kinds per node
         starts = [np.cumsum([0, *n.islands]) for n in topology.nodes]
         self._dev_island = [np.searchsorted(st, np.arange(n.gpus), side="right") - 1
@@ -224,7 +243,8 @@ class GangQueue:
             raise PlacementError(f"job {job.id!r}: {problem}")
         job._seq = next(self._seq)
         self.jobs[job.id] = job
-        self._recent.append(Request(gpu=min(job.share, 1.0), count=job.smallest.world, cpu=job.cpus))
+        self._recent.append(Request(gpu=min(job.share, 1.0), count=job.smallest.world, cpu=RANK))
+        self._mix = None
         self._enqueue(job, job.submit_time)
 
     def finish(self, job_id: str) -> None:
@@ -254,8 +274,11 @@ class GangQueue:
         return out
 
     def node_up(self, node_id: str) -> None:
-        """A node (back) with all its (usable) accelerators free."""
+        """A node (back) with all its (usable) accelerators free. A node that is up already is left
+        as it is (its jobs still hold what they hold)."""
         pos = self.topology.node_position(node_id)
+        if node_id not in self.down:
+            return
         self.down.discard(node_id)
         base = self.topology.index.island_base[pos]
         capacity = self.topology.nodes[pos].capacity
@@ -281,7 +304,7 @@ class GangQueue:
                 head = job
                 if not self.policy.backfill:
                     break
-                shadow, reserved = self._reservation(job, now)
+                shadow, reserved, hide = self._reservation(job, now)
                 bf_free, bf_version, free_total = self.free, -1, 0
                 if shadow is None:
                     break  # the head's start cannot be estimated: backfill only if provably safe
@@ -297,11 +320,11 @@ class GangQueue:
             if end is not None and end <= shadow:
                 self._try_start(job, now, self.free, out)
             else:  # must leave the head's reserved accelerators alone
-                self._try_start(job, now, bf_free, out)
+                self._try_start(job, now, bf_free, out, hide)
         if not self._queue:
             self._grow(now, out, None)
         elif reserved is not None and self.policy.backfill:  # grow into what the head does not need
-            self._grow(now, out, reserved)
+            self._grow(now, out, reserved, hide)
         for _, job in list(self._queue):
             if job.timeout is not None and now - job.queued_at >= job.timeout:
                 reason = self.why_waiting(job)
@@ -316,8 +339,9 @@ class GangQueue:
         if problem:
             return f"cannot be placed even on the empty cluster: {problem}"
         if self._over_quota(job):
-            return (f"tenant {job.tenant!r} quota: {self._tenant_use.get(job.tenant, 0)} of "
-                    f"{self._quota(job.tenant)} accelerators in use, the job needs {job.gpus}")
+            return (f"tenant {job.tenant!r} quota: {self._tenant_use.get(job.tenant, 0):g} of "
+                    f"{self._quota(job.tenant)} accelerators in use, the job needs "
+                    f"{self._held(job, job.smallest):g}")
         problem = self._unfit(job, self.free, job.smallest)
         if problem:
             return f"not enough free capacity: {problem}"
@@ -365,7 +389,18 @@ class GangQueue:
 
     def _over_quota(self, job: Job) -> bool:
         quota = self._quota(job.tenant)
-        return quota is not None and self._tenant_use.get(job.tenant, 0) + job.smallest.world > quota
+        return quota is not None and \
+            self._tenant_use.get(job.tenant, 0) + self._held(job, job.smallest) > quota + EPS
+
+    @staticmethod
+    def _held(job: Job, par: Parallelism | None = None) -> float:
+        """Accelerators `job` holds at shape `par` (default: its current one), as quotas count
+        them: a shared worker its share, a whole one its device."""
+        return (par or job.parallelism).world * min(job.share, 1.0)
+
+    def _add_use(self, tenant: str, amount: float) -> None:
+        # rounded: shares are multiples of Ray's 1e-4, so sums stay exact instead of drifting
+        self._tenant_use[tenant] = round(self._tenant_use.get(tenant, 0) + amount, 6)
 
     def _unfit(self, job: Job, free: np.ndarray, par: Parallelism | None = None) -> str | None:
         """Why `job` (at shape `par`) does not fit on `free` under this policy's placement, or None."""
@@ -385,11 +420,12 @@ class GangQueue:
             return str(e)
         return None
 
-    def _fits(self, job: Job, free: np.ndarray, par: Parallelism | None = None) -> bool:
-        """Whether `job` fits on `free` at shape `par` (default: its smallest)."""
+    def _fits(self, job: Job, free: np.ndarray, par: Parallelism | None = None, hide=()) -> bool:
+        """Whether `job` fits on `free` at shape `par` (default: its smallest); hide: partly used
+        devices out of reach (kept for a blocked shared head)."""
         par = par or job.smallest
         if job.share < 1:
-            return self._place_shared(job, free, par) is not None
+            return self._place_shared(job, free, par, hide=hide) is not None
         key = (free.tobytes(), par.dp * par.pp, par.tp, par.ranks_per_node)
         hit = self._fit_cache.get(key)
         if hit is None:
@@ -406,22 +442,23 @@ class GangQueue:
                     traffic=job.traffic or self.traffic, strategy=self.policy.placement,
                     **self.plan_options)
 
-    def _try_start(self, job: Job, now: float, free: np.ndarray, out: list[Decision]) -> bool:
+    def _try_start(self, job: Job, now: float, free: np.ndarray, out: list[Decision], hide=()) -> bool:
         """Start `job` at the largest of its shapes that fits `free` (and its tenant's quota)."""
         quota = self._quota(job.tenant)
         room = None if quota is None else quota - self._tenant_use.get(job.tenant, 0)
         par = next((s for s in job.shapes()
-                    if (room is None or s.world <= room) and self._fits(job, free, s)), None)
+                    if (room is None or self._held(job, s) <= room + EPS)
+                    and self._fits(job, free, s, hide)), None)
         if par is None:
             return False
-        slots = self._place_shared(job, free, par) if job.share < 1 else None
+        slots = self._place_shared(job, free, par, hide=hide) if job.share < 1 else None
         p = self._shared_plan(job, par, slots) if slots else self._plan(job, free, par)
         self._dequeue(job)
         job.parallelism = par
         self._take(job, p, slots)
         job.state, job.plan, job.start_time = State.RUNNING, p, now
         self._running[job.id] = job
-        self._tenant_use[job.tenant] = self._tenant_use.get(job.tenant, 0) + job.gpus
+        self._add_use(job.tenant, self._held(job))
         out.append(Start(job, p))
         return True
 
@@ -439,7 +476,7 @@ class GangQueue:
             for node_id, isl in zip(p.rank_node, p.rank_island, strict=True):
                 pos = self.topology.node_position(node_id)
                 idle = np.flatnonzero((self._dev_island[pos] == isl) & (taken.free[pos] >= 1 - EPS))
-                slot = Slot(pos, (int(idle[0]),), 1.0, 0.0, 0.0)
+                slot = Slot(pos, (int(idle[0]),), 1.0, RANK, 0.0)
                 taken.take([slot])
                 slots.append(slot)
             self.devices.take(slots)
@@ -463,9 +500,17 @@ class GangQueue:
         if job.share < 1:
             self._sync({s_.node for s_ in slots})
         self._version += 1
-        self._tenant_use[job.tenant] -= job.gpus
+        self._add_use(job.tenant, -self._held(job))
 
     # -- shared accelerators --------------------------------------------------------------------
+
+    def _empty_devices(self) -> Devices:
+        """The idle devices. Their "CPUs" count ranks (RANK each): a node short of CPUs for a rank
+        per accelerator (`usable` < gpus) hosts at most `usable` ranks, shared ones too (a device
+        may hold several sharers, each a rank that needs its CPUs); other nodes: unlimited."""
+        return Devices([n.gpus for n in self.topology.nodes],
+                       cpus=[n.usable if n.usable is not None and n.usable < n.gpus else np.inf
+                             for n in self.topology.nodes])
 
     def _sync(self, nodes: set[int]) -> None:
         """Whole-accelerator capacity of these nodes' islands: usable devices no job touches."""
@@ -479,28 +524,21 @@ class GangQueue:
             busy = np.bincount(self._dev_island[pos][devices.free[pos] < 1 - EPS],
                                minlength=len(node.islands))
             up = node.id not in self.down
+            ranks = devices.cpu_free[pos] / RANK + EPS  # ranks the node can still host (inf: any)
             for i, cap in enumerate(node.capacity):
-                out[base + i] = max(0, cap - int(busy[i])) if up else 0
+                out[base + i] = int(min(max(0, cap - int(busy[i])), ranks)) if up else 0
+                ranks -= out[base + i]
         return out
 
-    def _releases(self, job_id: str) -> np.ndarray:
-        """Whole devices per island that become idle when `job_id` ends: a shared job's, those it
-        alone occupies (conservative: devices it shares with others stay busy in the estimate)."""
-        job = self.jobs[job_id]
-        if job.share >= 1:
-            return self._use[job_id]
-        out = np.zeros_like(self.free)
-        for (pos, dev), k in Counter((s_.node, s_.devices[0]) for s_ in self._slots[job_id]).items():
-            if abs(1 - self.devices.free[pos][dev] - k * job.share) < 1e-6:
-                out[self.topology.index.island_base[pos] + self._dev_island[pos][dev]] += 1
-        return out
-
-    def _view(self, free: np.ndarray) -> Devices:
+    def _view(self, free: np.ndarray, hide=()) -> Devices:
         """The devices as `free` sees them: idle devices beyond an island's count in `free`
-        (reserved for the blocked head) are out of reach."""
-        if free is self.free or np.array_equal(free, self.free):
+        (reserved for the blocked head) are out of reach, and so are the partly used devices in
+        `hide` ((node, device) pairs a blocked shared head will share)."""
+        if not hide and (free is self.free or np.array_equal(free, self.free)):
             return self.devices
         view = self.devices.copy()
+        for pos, dev in hide:
+            view.free[pos][dev] = 0.0
         for pos, node in enumerate(self.topology.nodes):
             base = self.topology.index.island_base[pos]
             for i in range(len(node.islands)):
@@ -510,17 +548,19 @@ class GangQueue:
                     view.free[pos][idle[:extra]] = 0.0
         return view
 
-    def _place_shared(self, job: Job, free: np.ndarray, par: Parallelism,
-                      empty: bool = False, devices: Devices | None = None) -> list[Slot] | None:
+    def _place_shared(self, job: Job, free: np.ndarray | None, par: Parallelism, empty: bool = False,
+                      devices: Devices | None = None, hide=()) -> list[Slot] | None:
         """Slots for `job`'s workers on shared devices (None: it does not fit). Co-location first:
         nodes that run jobs of the other workload kind (io beside compute) and none of its own.
         empty: on the idle cluster (is it feasible at all); devices: a trial state to place on
-        (what the devices would be without some jobs) instead of the queue's own."""
+        (what the devices would be without some jobs) instead of the queue's own; hide: see _view."""
         if devices is None:
-            devices = Devices([n.gpus for n in self.topology.nodes]) if empty else self._view(free)
-        request = Request(gpu=job.share, count=par.world)
+            devices = self._empty_devices() if empty else self._view(free, hide)
+        request = Request(gpu=job.share, count=par.world, cpu=RANK)
         up = np.array([n.id not in self.down for n in self.topology.nodes])
-        mix = Mix.of(self._recent) if self._recent else None
+        if self._mix is None and self._recent:  # cached: rebuilding it per placement dominated ticks
+            self._mix = Mix.of(self._recent)
+        mix = self._mix
         if not empty:
             other = "io" if job.workload == "compute" else "compute"
             beside = up & np.array([k[other] > 0 and k[job.workload] == 0 for k in self._kinds])
@@ -585,7 +625,7 @@ class GangQueue:
             return self._fits(job, free)
         return self._place_shared(job, free, job.smallest, devices=devices) is not None
 
-    def _grow(self, now: float, out: list[Decision], reserved: np.ndarray | None) -> None:
+    def _grow(self, now: float, out: list[Decision], reserved: np.ndarray | None, hide=()) -> None:
         """Resize running elastic jobs (highest priority first) to the largest size that fits on
         the free capacity plus their own: all of it when nobody waits; while a blocked head waits
         only what its reservation leaves (growing is backfilling workers: it cannot delay the head)."""
@@ -593,12 +633,13 @@ class GangQueue:
             if not job.sizes or job.gpus == job.sizes[-1] or now - job.start_time < self.policy.grow_after_s:
                 continue
             quota = self._quota(job.tenant)
-            room = None if quota is None else quota - self._tenant_use.get(job.tenant, 0) + job.gpus
+            room = None if quota is None else quota - self._tenant_use.get(job.tenant, 0) + self._held(job)
             free = self.free + self._use[job.id]
             if reserved is not None:
                 free = np.clip(free - reserved, 0, None)
-            to = next((s for s in job.shapes() if s.world > job.gpus and (room is None or s.world <= room)
-                       and self._fits(job, free, s)), None)
+            to = next((s for s in job.shapes() if s.world > job.gpus
+                       and (room is None or self._held(job, s) <= room + EPS)
+                       and self._fits(job, free, s, hide)), None)
             if to is None:
                 continue
             if self.on_preempt is not None:
@@ -609,30 +650,79 @@ class GangQueue:
             job.resizes += 1
             self._enqueue(job, now)
             out.append(Preempt(job, f"resize: grow from {was} to {to.world} workers"))
-            started = self._try_start(job, now, free, out)  # at once, on the capacity it was grown for
+            started = self._try_start(job, now, free, out, hide)  # at once, on what it was grown for
             assert started
 
-    def _reservation(self, head: Job, now: float) -> tuple[float | None, np.ndarray | None]:
-        """When the head can start (running jobs ending by their estimates) and which of the
-        accelerators free now its plan at that time needs. Cached while nothing changes."""
+    def _reservation(self, head: Job, now: float) -> tuple[float | None, np.ndarray | None, tuple]:
+        """When the head can start (running jobs ending by their estimates), which of the
+        accelerators free now its placement at that time needs, and (a shared head) the partly
+        used devices it would share. Cached while nothing changes."""
         key = (head.id, self._version)
         if self._resv_cache is None or self._resv_cache[0] != key:
             self._resv_cache = (key, self._compute_reservation(head, now))
-        shadow, reserved = self._resv_cache[1]
-        return (None if shadow is None else max(shadow, now)), reserved
+        shadow, reserved, hide = self._resv_cache[1]
+        return (None if shadow is None else max(shadow, now)), reserved, hide
 
     def _compute_reservation(self, head: Job, now: float):
         ends = sorted((e, j.id) for j in self._running.values()
                       if (e := j.expected_end()) is not None)
         if not ends:
-            return None, None
-        # free capacity after the first k jobs end, for every k; fitting is monotone in k
-        after = self.free + np.cumsum([self._releases(job_id) for _, job_id in ends], axis=0)
-        k = bisect.bisect_left(range(len(ends)), True, key=lambda i: self._fits(head, after[i]))
+            return None, None, ()
+        everything = range(len(self.topology.nodes))
+        if head.share >= 1 and all(j.share >= 1 for j in self._running.values()):
+            # whole accelerators only: a job's end frees exactly its own (no device state needed)
+            after = self.free + np.cumsum([self._use[job_id] for _, job_id in ends], axis=0)
+            trial = None
+        else:
+            # a device several jobs share is idle only once ALL of them ended: evaluate "after the
+            # first i + 1 jobs end" on a copy of the devices with their slots given back
+            states: dict[int, Devices] = {}
+
+            def trial(i: int) -> Devices:
+                if i not in states:
+                    states[i] = self.devices.copy()
+                    states[i].give([s_ for _, job_id in ends[:i + 1] for s_ in self._slots[job_id]])
+                return states[i]
+
+            after = _Lazy(lambda i: self._island_free(trial(i), everything, np.zeros_like(self.free)))
+        if head.share >= 1:
+            fits = lambda i: self._fits(head, after[i])  # noqa: E731
+        else:
+            fits = lambda i: self._place_shared(head, None, head.smallest, devices=trial(i)) is not None  # noqa: E731
+        # fitting is monotone in how many jobs have ended
+        k = bisect.bisect_left(range(len(ends)), True, key=fits)
         if k == len(ends):
-            return None, None
+            return None, None, ()
+        if head.share < 1:
+            # what the reservation protects for a shared head: the devices its placement at the
+            # shadow time uses. Idle ones now are reserved by count per island (idle devices of
+            # a node are interchangeable; whole-GPU backfill cannot take them either); partly used
+            # ones are hidden from backfilled sharers that outlast the shadow. Devices busy now
+            # need no protection: nothing can be placed on them before they free up.
+            reserved, hide = np.zeros_like(self.free), []
+            base = self.topology.index.island_base
+            for pos, dev in {(s_.node, s_.devices[0]) for s_ in
+                             self._place_shared(head, None, head.smallest, devices=trial(k))}:
+                now_free = self.devices.free[pos][dev]
+                if now_free >= 1 - EPS:
+                    reserved[base[pos] + self._dev_island[pos][dev]] += 1
+                elif now_free > EPS:
+                    hide.append((pos, dev))
+            return ends[k][0], reserved, tuple(hide)
         released = after[k] - self.free
         ranks = assign(self.topology, head.smallest, after[k], head.traffic or self.traffic,
                        self.policy.placement, time_budget_s=0.0)
         need = np.bincount(ranks, minlength=len(self.free))
-        return ends[k][0], np.clip(need - released, 0, None)
+        return ends[k][0], np.clip(need - released, 0, None), ()
+
+
+class _Lazy:
+    """after[i] computed on first use (the bisect looks at a few i only)."""
+
+    def __init__(self, f: Callable[[int], np.ndarray]) -> None:
+        self._f, self._memo = f, {}
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if i not in self._memo:
+            self._memo[i] = self._f(i)
+        return self._memo[i]

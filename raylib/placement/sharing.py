@@ -53,9 +53,13 @@ n and a task shape m, F_n(m) is the free GPU capacity of n that m cannot use:
   given worker, so it shifts F but never changes FGD's choice of node.
 F_n(M) = sum_m p_m F_n(m), and the cluster's F(M) is the sum over nodes (in GPUs).
 
-Floating point: free fractions are rounded to 9 decimals after every change and every comparison
-allows 1e-9, so 0.1 + 0.2 fits into 0.3 and repeated take/give returns to the same numbers.
-Ray's own resolution is 1e-4 (FixedPoint); a fraction finer than that is rejected.
+Floating point: Ray holds a resource quantity in fixed point, units of 1e-4 (FixedPoint(double):
+`(int64_t)(d * kResourceUnitScaling)`, truncated; ray-project/ray
+src/ray/common/scheduling/fixed_point.h), so a fractional request is truncated to that grid here
+too (1/6 -> 0.1666: six of them fit on one device, as they do in Ray) and a fraction under 1e-4 is
+rejected, as Ray's option validation does. Free fractions are rounded to 9 decimals after every
+change, which snaps sums of such quantities back onto the grid (exact, no drift over many takes
+and gives), and every comparison allows 1e-9.
 """
 
 from __future__ import annotations
@@ -72,18 +76,24 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
-    "DEFAULT_MIX", "EPS", "OPENB_CLASS_SHARES", "POLICIES", "RAY_SPREAD_THRESHOLD", "Devices", "Mix",
-    "Request", "Slot", "node_fragmentation", "openb_shapes",
+    "DEFAULT_MIX", "EPS", "OPENB_CLASS_SHARES", "POLICIES", "RAY_SPREAD_THRESHOLD", "RAY_UNIT_SCALING",
+    "Devices", "Mix", "Request", "Slot", "node_fragmentation", "openb_shapes", "ray_units",
 ]
 
 EPS = 1e-9
 _DECIMALS = 9
-RAY_MIN_FRACTION = 1e-4
+RAY_UNIT_SCALING = 10_000  # Ray's kResourceUnitScaling: quantities are held in units of 1e-4
+RAY_MIN_FRACTION = 1 / RAY_UNIT_SCALING
 RAY_SPREAD_THRESHOLD = 0.5
 FGD_RESOLUTION = 0.1
 """GPUs: fgd compares the growth of fragmentation at this resolution; nodes within it are ranked
 by best fit (chosen on seeds 0-1 of the openb trace, bench/sharing.py measures other seeds)."""
 POLICIES = ("fgd", "best-fit", "weighted-best-fit", "packing", "ray-default")
+
+
+def ray_units(quantity: float) -> int:
+    """A resource quantity in Ray's fixed-point units of 1e-4, truncated as Ray's FixedPoint does."""
+    return int(quantity * RAY_UNIT_SCALING)
 
 
 def _check_policy(policy: str) -> None:
@@ -123,9 +133,12 @@ class Request:
                     f"whole number of devices; use gpu={n} (whole devices), or split it into "
                     f"count={n} workers of gpu={g / n:.4g}")
             object.__setattr__(self, "gpu", float(round(g)))
-        elif 0 < g < RAY_MIN_FRACTION:
-            raise ValueError(f"Request(gpu={g:g}): Ray's GPU resolution is {RAY_MIN_FRACTION:g}; "
-                             f"use gpu=0 (CPU-only) or at least {RAY_MIN_FRACTION:g}")
+        elif g > 0:
+            units = ray_units(g)
+            if units == 0:
+                raise ValueError(f"Request(gpu={g:g}): Ray's GPU resolution is {RAY_MIN_FRACTION:g}; "
+                                 f"use gpu=0 (CPU-only) or at least {RAY_MIN_FRACTION:g}")
+            object.__setattr__(self, "gpu", units / RAY_UNIT_SCALING)  # what Ray will hold
 
     @property
     def fraction(self) -> bool:

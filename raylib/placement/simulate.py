@@ -39,6 +39,9 @@ from raylib.placement.planner import Parallelism, PlacementError, Traffic, plan
 from raylib.placement.queue import GangQueue, Job, Policy, Preempt, Start
 from raylib.placement.topology import Topology
 
+MAX_TICKS_PER_INSTANT = 16
+"""Ticks at one instant while the previous one preempted jobs (see simulate)."""
+
 __all__ = ["POLICIES", "SimResult", "TraceJob", "compare", "read_trace", "simulate",
            "synthetic_trace", "to_parallelism"]
 
@@ -201,34 +204,45 @@ def simulate(
                 queue.finish(jid)
                 busy += size[jid] * _overlap(started_at.pop(jid), now, window)
                 done[jid] = now
-        for d in queue.tick(now):
-            jid = d.job.id
-            if isinstance(d, Start):
-                if jid not in stretch:  # placement slowdown, fixed at the first start
-                    stretch[jid] = _stretch(d.plan.cost.total_s, best(d.job.parallelism),
-                                            comm_fraction)
-                    if d.job.gpus > 1:
-                        costs.append(d.plan.cost.total_s)
-                        splits += d.plan.cost.split_tp_groups > 0
-                started_at[jid] = now
-                size[jid] = d.plan.parallelism.world
-                speed[jid] = size[jid] / by_id[jid].gpus
-                overhead = resize_overhead_s if jid in version else 0.0  # a restart
-                run_s = overhead + remaining[jid] * stretch[jid] / speed[jid]
-                if estimates:  # the queue's estimate of when this run ends stays exact
-                    d.job.duration_estimate = run_s
-                version[jid] = version.get(jid, 0) + 1
-                heapq.heappush(events, (now + run_s, 0, seq, jid, version[jid]))
-                seq += 1
-            elif isinstance(d, Preempt):
-                ran = max(0.0, now - started_at[jid] - (resize_overhead_s if version[jid] > 1 else 0.0))
-                busy += size[jid] * _overlap(started_at.pop(jid), now, window)
-                remaining[jid] -= ran * speed[jid] / stretch[jid]
-                version[jid] += 1
-                if d.reason.startswith("resize"):
-                    resizes += 1
-                else:
-                    preemptions += 1
+        # A tick walks a snapshot of the queue, so a victim it preempted (back in the queue) waits
+        # for the next tick: tick again at the same instant, as the live actor does on its next
+        # poll, so a preempted elastic job restarts at once on what is left rather than at the
+        # next unrelated event. Bounded: a preemption needs a higher priority than its victim's.
+        decisions = queue.tick(now)
+        for repeat in range(MAX_TICKS_PER_INSTANT):
+            requeued = False
+            for d in decisions:
+                jid = d.job.id
+                if isinstance(d, Start):
+                    if jid not in stretch:  # placement slowdown, fixed at the first start
+                        stretch[jid] = _stretch(d.plan.cost.total_s, best(d.job.parallelism),
+                                                comm_fraction)
+                        if d.job.gpus > 1:
+                            costs.append(d.plan.cost.total_s)
+                            splits += d.plan.cost.split_tp_groups > 0
+                    started_at[jid] = now
+                    size[jid] = d.plan.parallelism.world
+                    speed[jid] = size[jid] / by_id[jid].gpus
+                    overhead = resize_overhead_s if jid in version else 0.0  # a restart
+                    run_s = overhead + remaining[jid] * stretch[jid] / speed[jid]
+                    if estimates:  # the queue's estimate of when this run ends stays exact
+                        d.job.duration_estimate = run_s
+                    version[jid] = version.get(jid, 0) + 1
+                    heapq.heappush(events, (now + run_s, 0, seq, jid, version[jid]))
+                    seq += 1
+                elif isinstance(d, Preempt):
+                    ran = max(0.0, now - started_at[jid] - (resize_overhead_s if version[jid] > 1 else 0.0))
+                    busy += size[jid] * _overlap(started_at.pop(jid), now, window)
+                    remaining[jid] -= ran * speed[jid] / stretch[jid]
+                    version[jid] += 1
+                    if d.reason.startswith("resize"):
+                        resizes += 1
+                    else:
+                        preemptions += 1
+                        requeued = True
+            if not requeued or repeat + 1 == MAX_TICKS_PER_INSTANT:
+                break
+            decisions = queue.tick(now)
     jobs = [by_id[j] for j in done]
     jct = np.array([done[j.id] - j.submit for j in jobs])
     wait = jct - np.array([by_id[j.id].duration * stretch[j.id] for j in jobs])

@@ -113,19 +113,14 @@ _FIELD_OF = {"optimizer.params": "strategy.optimizer", "scheduler.params": "stra
 
 
 def _blame(message: str, user: dict[str, Any]) -> str:
-    """ds_validate names keys of strategy.deepspeed_config; where the user's own config does not
-    hold the key, raylib generated it from strategy.* fields: name those instead."""
+    """ds_validate names keys of strategy.deepspeed_config; where the user gave no DeepSpeed
+    config, raylib generated every key from strategy.* fields: name those instead."""
     prefix = "strategy.deepspeed_config."
     if not message.startswith(prefix):
         return message
     key, _, rest = message[len(prefix):].partition(": ")
-    node: Any = user
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            break
-        node = node[part]
-    else:
-        return message  # the user's own key
+    if user:
+        return message  # the user's config is the base: its keys are theirs to set
     field = next((f for k, f in _FIELD_OF.items() if key == k or key.startswith(k + ".")), "strategy")
     sub = key.removeprefix("optimizer.params.") if field == "strategy.optimizer" else None
     where = f"{field}.{sub}" if sub and sub != key else field

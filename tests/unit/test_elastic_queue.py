@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from raylib.placement import GangQueue, Job, Parallelism, Policy, Preempt, Start, Topology
-from raylib.placement.simulate import TraceJob, simulate
+from raylib.placement.simulate import POLICIES, TraceJob, simulate
 
 pytestmark = pytest.mark.unit
 
@@ -78,3 +78,21 @@ def test_elastic_jobs_finish_sooner_in_a_busy_simulated_cluster():
     assert fixed.jct_by_job["b"] == pytest.approx(200.0)
     assert flex.jct_by_job["b"] == pytest.approx(150.0)
     assert flex.resizes == 1
+
+
+@pytest.mark.parametrize("sizes", [(0, 4), (2, 2, 4), (-2, 4), (2.5, 4)])
+def test_sizes_below_one_repeated_or_fractional_are_refused_naming_sizes(sizes):
+    with pytest.raises(ValueError, match=r"sizes .* must ascend strictly"):
+        Job(id="x", parallelism=Parallelism(dp=4), sizes=sizes)
+
+
+def test_the_simulator_restarts_a_shrunk_elastic_job_at_the_instant_it_was_preempted():
+    topo = cluster(1, 4)
+    trace = [TraceJob("E", 0.0, 1000.0, 4, min_gpus=1), TraceJob("H", 10.0, 500.0, 2, priority=1)]
+    res = simulate(trace, topo, "raylib", resize_overhead_s=0.0)
+    grow_after = POLICIES["raylib"].grow_after_s
+    assert grow_after <= 500.0  # E may grow back once H ends
+    # E: 10 s at 4 GPUs, then at once 2 GPUs (half speed) while H runs 500 s, then 4 GPUs again
+    left = 1000.0 - 10.0 - 500.0 / 2
+    assert res.jct_by_job["E"] == pytest.approx(10.0 + 500.0 + left)
+    assert res.preemptions == 1 and res.resizes == 1

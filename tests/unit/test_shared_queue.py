@@ -141,3 +141,97 @@ def test_a_sharer_preempts_nothing_when_even_all_lower_priority_jobs_leaving_wou
     q.submit(shared("mid", 0.5, priority=3, submit_time=2.0))
     assert q.tick(1.0) == []  # taking 'low' would free 0.25 of the 0.5 it needs: no victim at all
     assert {j.id for j in q.running} == {"high", "low"}
+
+
+def _whole_and_shared_running() -> GangQueue:
+    """Node 0 runs A (2 whole GPUs, ends at 100); node 1's first device is shared by B (0.75,
+    ends at 50) and C (0.2, ends at 40): that device is idle only once both ended, at 50."""
+    q = GangQueue(Topology.synthetic(nodes=2, gpus_per_node=2))
+    q.submit(Job(id="A", parallelism=Parallelism(dp=2), duration_estimate=100.0))
+    q.submit(shared("B", 0.75, duration_estimate=50.0))
+    q.tick(0.0)
+    q.submit(shared("C", 0.2, duration_estimate=39.0, submit_time=1.0))
+    q.tick(1.0)
+    assert q.jobs["C"].plan.rank_node == q.jobs["B"].plan.rank_node  # Ray's best fit: same device
+    return q
+
+
+def test_a_device_several_sharers_hold_counts_as_freed_once_all_of_them_ended():
+    q = _whole_and_shared_running()
+    q.submit(Job(id="H", parallelism=Parallelism(dp=2), duration_estimate=10.0, submit_time=2.0))
+    q.submit(Job(id="D", parallelism=Parallelism(dp=1), duration_estimate=60.0, submit_time=2.0))
+    # H needs node 1's two devices: free once B and C ended (50), long before A (100). D would
+    # hold node 1's idle device until 62, so it must not jump ahead of H.
+    assert q.tick(2.0) == []
+    assert q._reservation(q.jobs["H"], 2.0)[0] == 50.0
+    q.finish("C")
+    q.finish("B")
+    assert [d.job.id for d in q.tick(50.0)] == ["H"]
+
+
+def test_a_blocked_shared_head_gets_a_reservation_and_short_jobs_backfill():
+    q = _whole_and_shared_running()
+    q.finish("C")  # node 1: B's 0.75 on one device, the other idle
+    q.submit(shared("H", 0.5, workers=4, duration_estimate=10.0, submit_time=1.0))
+    q.submit(shared("C2", 0.05, duration_estimate=5.0, submit_time=2.0))
+    q.submit(shared("long", 0.2, duration_estimate=500.0, submit_time=3.0))
+    out = q.tick(2.0)
+    # H (4 halves) fits once B ends at 50; C2 ends at 7 and backfills (beside B). 'long' would
+    # outlast that: it may use neither the idle device nor the 0.2 left beside B and C2, which H
+    # will need
+    assert q._reservation(q.jobs["H"], 2.0)[0] == 50.0
+    assert [d.job.id for d in out] == ["C2"]
+    q.finish("C2")
+    q.finish("B")
+    assert [d.job.id for d in q.tick(50.0)][0] == "H"
+
+
+def test_a_tenant_quota_counts_each_shared_worker_as_its_share():
+    q = GangQueue(Topology.synthetic(nodes=1, gpus_per_node=4), Policy(quotas={"t": 1}))
+    for i in range(2):
+        q.submit(shared(f"quarter-{i}", 0.25, tenant="t", submit_time=float(i)))
+    q.submit(shared("three-quarters", 0.75, tenant="t", submit_time=2.0))
+    assert [d.job.id for d in q.tick(0.0)] == ["quarter-0", "quarter-1"]  # 0.5 of 1 held
+    assert "quota: 0.5 of 1 accelerators in use, the job needs 0.75" in q.why_waiting(
+        q.jobs["three-quarters"])
+    q.finish("quarter-0")
+    assert [d.job.id for d in q.tick(1.0)] == ["three-quarters"]  # 0.25 + 0.75 = 1
+    q.finish("quarter-1")
+    q.finish("three-quarters")
+    assert q._tenant_use["t"] == 0  # released exactly
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5, float("nan"), 0.00001])
+def test_a_share_outside_0_to_1_or_below_rays_resolution_is_refused_naming_share(share):
+    with pytest.raises(ValueError, match="share="):
+        shared("x", share)
+
+
+def test_node_up_of_a_node_that_is_up_changes_nothing():
+    q = GangQueue(Topology.synthetic(nodes=1, gpus_per_node=2))
+    q.submit(Job(id="whole", parallelism=Parallelism(dp=1)))
+    q.submit(shared("half", 0.5, submit_time=1.0))
+    q.tick(0.0)
+    node = q.topology.nodes[0].id
+    q.node_up(node)  # a duplicate event: its jobs still hold both devices
+    assert q.free.tolist() == [0]
+    q.submit(Job(id="more", parallelism=Parallelism(dp=1), submit_time=2.0))
+    assert q.tick(1.0) == []
+    q.node_down(node, 2.0)
+    q.node_up(node)
+    assert q.free.tolist() == [2]
+
+
+def test_a_node_short_of_cpus_hosts_at_most_its_usable_ranks_shared_or_whole():
+    base = Topology.synthetic(nodes=1, gpus_per_node=4)
+    topo = base.model_copy(update={"nodes": [base.nodes[0].model_copy(update={"usable": 2, "free": [2]})]})
+    q = GangQueue(topo)
+    with pytest.raises(Exception, match="do not fit"):  # 8 ranks, CPUs for 2: never
+        q.submit(shared("eight", 0.5, workers=8))
+    q.submit(shared("two", 0.25, workers=2))
+    q.submit(Job(id="whole", parallelism=Parallelism(dp=1), submit_time=1.0))
+    q.submit(shared("third", 0.25, submit_time=2.0))
+    assert [d.job.id for d in q.tick(0.0)] == ["two"]  # 3 devices idle, but no CPUs for a 3rd rank
+    assert q.free.tolist() == [0]
+    q.finish("two")
+    assert [d.job.id for d in q.tick(1.0)] == ["whole", "third"]

@@ -509,3 +509,19 @@ def test_weighted_best_fit_weighs_cpus_against_gpus_as_the_fgd_papers_baseline_d
     unlimited = Devices([8, 8])
     unlimited.free[1][:2] = 0.0
     assert unlimited.place(one, "weighted-best-fit")[0].node == 1  # CPUs uncounted: GPUs decide
+
+
+def test_fractions_are_held_on_rays_fixed_point_grid_so_n_workers_of_1_over_n_fill_one_device():
+    # Ray holds quantities in units of 1e-4, truncated: 1/3 -> 0.3333; summing such shares is exact
+    assert Request(1 / 3).gpu == 0.3333
+    for policy in POLICIES:
+        misfits = [n for n in range(2, 120) if Devices([1]).place(Request(1 / n, count=n), policy) is None]
+        assert misfits == [], policy
+    d = Devices([1])
+    held = []
+    for _ in range(7):
+        held.append(d.place(Request(1 / 7)))
+        d.take(held[-1])
+    for slots in held:
+        d.give(slots)
+    assert d.free[0].tolist() == [1.0]  # back exactly after seven takes and gives

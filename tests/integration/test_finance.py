@@ -27,8 +27,10 @@ def general_model(directory: Path, job) -> Path:
     """A stand-in for `--base DIR` (a general checkpoint of the user's): a bert-tiny masked LM with
     the pipeline's general vocabulary, its weights as built from the config. Stage 0 (training
     one) runs the same raylib run + export as stage 1, which is exercised below."""
+    import torch
     import transformers
 
+    torch.manual_seed(0)  # its weights must not depend on what earlier tests drew from the global RNG
     job.general_vocabulary(directory)
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     config = transformers.BertConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,

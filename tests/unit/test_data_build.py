@@ -311,7 +311,7 @@ def test_rebuild_with_force_rebuilds(tmp_path, monkeypatch):
 
 def test_too_small_a_dataset_is_an_error(tmp_path):
     manifest = small_manifest(size="200B", seq_len=4096)
-    with pytest.raises(ValueError, match="no full row of seq_len 4096; lower seq_len or raise size \(200B\)"):
+    with pytest.raises(ValueError, match=r"no full row of seq_len 4096; lower seq_len or raise size \(200B"):
         build(manifest, str(tmp_path / "ds"), progress=False)
     assert not is_built(str(tmp_path / "ds"))
 

@@ -107,3 +107,30 @@ def test_asha_rungs_end_before_the_last_report():
     asha = _scheduler(tune)
     rungs = [milestone for milestone, _ in asha._brackets[0]._rungs]
     assert rungs and max(rungs) < tune.steps and min(rungs) == tune.asha_grace_steps() >= 4
+
+
+def test_a_trial_out_of_memory_does_not_end_a_cost_search():
+    """An out-of-memory trial reports a cost of inf (no tokens): no measurement, not an incumbent
+    that no finite cost could replace."""
+    from raylib.tune.trial import objective_metrics
+
+    configs = prior_order([{"micro_batch_size": m} for m in (2, 4, 8, 16)], "cost_per_token", on_gpu=True)
+    assert configs[0] == {"micro_batch_size": 16}  # the largest first on a GPU: the likeliest to run out
+    usd_per_mtok = {16: None, 8: 5.0, 4: 3.0, 2: 2.0}
+
+    def result(config: dict) -> dict:
+        cost = usd_per_mtok[config["micro_batch_size"]]
+        samples_per_s = 0.0 if cost is None else 1e6 / cost / 128 / 3600 * 2.0
+        return objective_metrics(samples_per_s, 128, 1, 2.0)
+
+    searcher = StrategySearcher(configs, "coordinate", None, None)
+    searcher.set_search_properties("usd_per_mtok", "min", {})
+    tried = []
+    for n in itertools.count():
+        config = searcher.suggest(f"t{n}")
+        if config == Searcher.FINISHED:
+            break
+        tried.append(config["micro_batch_size"])
+        searcher.on_trial_complete(f"t{n}", result(config))
+    assert tried == [16, 8, 4, 2]
+    assert configs[searcher.incumbent] == {"micro_batch_size": 2}

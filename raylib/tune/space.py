@@ -48,6 +48,7 @@ ORDERED_KEYS = {"zero_stage", "micro_batch_size", "num_workers", "tensor_paralle
                 "allgather_bucket_size", "prefetch_batches", "peft.r", "lr", "compression.rank",
                 "compression.fraction"}
 MAX_AUTO_MICRO_BATCHES = 4
+MIN_MEMORY_BUDGET = 64 << 20  # below this a budget is a size given without its unit (16 meant as GB)
 
 
 def default_space() -> dict[str, list[Any]]:
@@ -113,7 +114,8 @@ class TuneSpec(BaseModel):
         empty = sorted(k for k, values in v.items() if not isinstance(values, list) or not values)
         if empty:
             raise ValueError(f"space: {empty} must each be a non-empty list of values")
-        return v
+        # a value listed twice is one configuration, tried once
+        return {k: [x for i, x in enumerate(values) if x not in values[:i]] for k, values in v.items()}
 
     @model_validator(mode="after")
     def _consistent(self) -> TuneSpec:
@@ -122,8 +124,15 @@ class TuneSpec(BaseModel):
         if self.inject_crash_at_step is not None and self.inject_crash_at_step >= self.steps:
             raise ValueError(f"inject_crash_at_step={self.inject_crash_at_step} must be below "
                              f"steps={self.steps}")
-        if self.memory_budget is not None:
-            self.budget_bytes()  # a readable error now rather than at launch
+        if self.memory_budget is not None and self.budget_bytes() < MIN_MEMORY_BUDGET:
+            raise ValueError(f"memory_budget={self.memory_budget!r} is {self.budget_bytes()} bytes; give a "
+                             "size with its unit, e.g. '16GB' (omit it to detect the workers' memory)")
+        if self.early_stopping and self.asha_grace_steps() > self.steps - self.report_every:
+            raise ValueError(
+                f"early stopping's first rung is at step {self.asha_grace_steps()} (grace_steps, at least "
+                f"warm-up {WARMUP_STEPS} + report_every {self.report_every}) but the last rung must end "
+                f"one report before steps={self.steps}: raise steps, or lower report_every or "
+                "grace_steps (or set early_stopping: false)")
         if self.objective == "eval_loss" and self.early_stopping:
             if "early_stopping" in self.model_fields_set:
                 raise ValueError("objective eval_loss ranks trials by their final validation loss: "
@@ -216,8 +225,10 @@ def candidates(base: dict[str, Any], tune: TuneSpec, global_batch: int, hardware
         world = choice.get("num_workers", world_default) // (
             choice.get("tensor_parallel", tp_default) * choice.get("pipeline_parallel", pp_default))
         micro = choice["micro_batch_size"]
-        if not world or global_batch % (micro * world):
-            continue  # no accumulation keeps the global batch: not a member of the space
+        if not world or global_batch % (micro * world):  # no accumulation keeps the global batch
+            out.append(Candidate(choice, "invalid", f"micro_batch_size={micro} x {world} data-parallel "
+                                 f"replica(s) does not divide the global batch {global_batch}"))
+            continue
         config = {**choice, "gradient_accumulation_steps": global_batch // (micro * world)}
         cand = Candidate(config)
         out.append(cand)

@@ -59,11 +59,15 @@ def test_settings_file_and_overrides(tmp_path):
 def test_candidates_keep_the_global_batch(cpu):
     tune = TuneSpec(space={"zero_stage": [1], "micro_batch_size": [2, 3, 4, 8, 16], "num_workers": [1, 2]})
     cands = candidates(BASE, tune, global_batch=32, hardware=cpu)
-    got = {(c.config["micro_batch_size"], c.config["num_workers"]): c.config for c in cands}
-    assert (3, 1) not in got and (3, 2) not in got  # 32 is not a multiple of 3: not in the space
+    got = {(c.config["micro_batch_size"], c.config["num_workers"]): c.config
+           for c in cands if c.status == "candidate"}
+    # 32 is not a multiple of 3: recorded with the reason, not launched (nor silently dropped)
+    skipped = [c for c in cands if c.status != "candidate"]
+    assert sorted((c.config["micro_batch_size"], c.config["num_workers"]) for c in skipped) == [(3, 1), (3, 2)]
+    assert skipped[0].reason == "micro_batch_size=3 x 1 data-parallel replica(s) does not divide the global batch 32"
     for (micro, workers), config in got.items():
         assert micro * config["gradient_accumulation_steps"] * workers == 32
-    assert all(c.status == "candidate" for c in cands)
+    assert len(got) == 8
     spec = JobSpec.from_dict(apply(BASE, got[(4, 2)], 32))
     assert (spec.strategy.micro_batch_size, spec.strategy.gradient_accumulation_steps) == (4, 4)
 
@@ -232,3 +236,15 @@ def test_a_bad_job_fails_once_before_tune_starts_ray(tiny_dataset, tmp_path, mon
         {"name": "hot", "url": str(tmp_path / "hot"), "capacity": "1KB"}]}})
     with pytest.raises(ValueError, match=r"data\.tiers.*hot.*capacity"):
         tune(spec, TuneSpec(space={"micro_batch_size": [4, 8]}), out_dir=tmp_path / "tune")
+
+
+def test_settings_early_stopping_cannot_use_is_refused_and_a_repeated_value_is_one_configuration():
+    for bad in ({"steps": 16, "report_every": 8}, {"steps": 6, "report_every": 4},
+                {"steps": 10, "grace_steps": 9}):
+        with pytest.raises(ValueError, match=r"raise steps, or lower report_every or grace_steps"):
+            TuneSpec(**bad)
+    TuneSpec(steps=16, report_every=8, early_stopping=False)  # no rungs: nothing to place
+    assert TuneSpec(space={"micro_batch_size": [4, 4, 8]}).space == {"micro_batch_size": [4, 8]}
+    with pytest.raises(ValueError, match=r"memory_budget=16 is 16 bytes; give a size with its unit, e.g. '16GB'"):
+        TuneSpec(memory_budget=16)
+    assert TuneSpec(memory_budget="16GB").budget_bytes() == 16 << 30

@@ -38,8 +38,11 @@ from raylib.perf.catalogue import GPU_CATALOGUE, Accelerator, T, match_device_na
 
 # Families whose MLP is gated (gate_proj, up_proj, down_proj), and those whose MLM head runs a
 # dense h x h transform before the vocabulary projection.
-GATED_MLP = frozenset({"llama", "mistral", "qwen2"})
+GATED_MLP = frozenset({"llama", "mistral", "qwen2", "gemma", "olmo"})
 MLM_TRANSFORM = frozenset({"bert", "roberta"})
+# The families whose count is checked against torch's FlopCounterMode (tests/unit): another family's
+# layers may differ (a mixture of experts, parallel blocks), so it gets no count rather than a wrong one.
+COUNTED = GATED_MLP | MLM_TRANSFORM | {"gpt2"}
 
 PARTS = ("attention_proj", "attention_scores", "mlp", "head")
 
@@ -59,6 +62,10 @@ def forward_flops(config, seq_len: int, *, head: bool = True) -> dict[str, float
     """Forward FLOPs per token of a `config` (an HF PretrainedConfig) at `seq_len`, by part, each
     summed over the layers (see the module's docstring). head=False: a sequence classifier, whose
     head sees one token per sequence (under 1/seq_len of a layer's work: not counted)."""
+    if config.model_type not in COUNTED or any(
+            getattr(config, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+        raise ValueError(f"no FLOP count for model_type {config.model_type!r} (counted: "
+                         f"{', '.join(sorted(COUNTED))}; no mixture of experts)")
     h = _attr(config, "hidden_size", "n_embd", "d_model")
     layers = _attr(config, "num_hidden_layers", "n_layer")
     heads = _attr(config, "num_attention_heads", "n_head")

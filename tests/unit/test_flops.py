@@ -70,18 +70,51 @@ def _models():
             (LlamaForCausalLM, _eager(llama))]
 
 
-@pytest.mark.parametrize("index", range(3), ids=["bert-mlm", "gpt2", "llama-gqa"])
+def _more_families():
+    """The other families raylib counts (flops.COUNTED), each through its causal-LM/MLM class."""
+    import transformers as T
+
+    small = {"vocab_size": 500, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 96}
+    return [(T.AutoModelForMaskedLM.from_config, _eager(T.RobertaConfig(**small, pad_token_id=1))),
+            (T.AutoModelForCausalLM.from_config, _eager(T.MistralConfig(**small, num_key_value_heads=2))),
+            (T.AutoModelForCausalLM.from_config, _eager(T.Qwen2Config(**small, num_key_value_heads=2))),
+            (T.AutoModelForCausalLM.from_config, _eager(T.GemmaConfig(**small, num_key_value_heads=2, head_dim=16))),
+            (T.AutoModelForCausalLM.from_config, _eager(T.OlmoConfig(**small, pad_token_id=0)))]
+
+
+@pytest.mark.parametrize("index", range(8), ids=["bert-mlm", "gpt2", "llama-gqa", "roberta", "mistral",
+                                                 "qwen2", "gemma", "olmo"])
 def test_whole_model_matches_the_counter(index):
     """Within 1e-3: whatever else FlopCounterMode might see outside the formula's matmuls (rotary
     frequencies, O(s * head_dim) per sequence) is far below it; embedding lookups, norms and the
     loss are matmul-free for both. Measured here: equal."""
-    cls, config = _models()[index]
+    cls, config = [*_models(), *_more_families()][index]
     torch.manual_seed(0)
     model = cls(config)
     ids = torch.randint(0, config.vocab_size, (B, S))
     counted = F.count_flops(model, {"input_ids": ids, "labels": ids})
     assert counted == pytest.approx(F.train_flops_per_token(config, S) * TOKENS, rel=1e-3)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_family_the_counter_does_not_know_gets_no_count_and_so_no_mfu():
+    """A mixture of experts runs top-k of its experts' MLPs per token: counting one dense MLP
+    would be a wrong MFU (1.68x torch's count for 4 experts, top 2)."""
+    from types import SimpleNamespace
+
+    from transformers import MixtralConfig
+
+    from raylib.train.utilisation import Utilisation
+
+    moe = MixtralConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=96, num_local_experts=4)
+    with pytest.raises(ValueError, match=r"no FLOP count for model_type 'mixtral'"):
+        F.train_flops_per_token(moe, S)
+    module = torch.nn.Linear(2, 2)
+    module.config = moe
+    spec = SimpleNamespace(task=SimpleNamespace(type="causal_lm"))
+    assert Utilisation.of(module, spec, S, 8, on_gpu=False) is None
 
 
 def test_gqa_shrinks_only_k_and_v():

@@ -101,8 +101,24 @@ def resolve_local(url: str) -> str:
     so it means the same on the driver and in every worker; other fsspec URLs as they are."""
     proto = url.split("://", 1)[0] if "://" in url else None
     if proto not in (None, "file", "local"):
+        _check_protocol(url, proto)
         return url
     return str(Path(url.split("://", 1)[-1]).expanduser().resolve())
+
+
+def _check_protocol(url: str, proto: str) -> None:
+    """A URL whose filesystem fsspec knows and can load here (else its first use, in a worker
+    after Ray started, would be the error)."""
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(proto)
+    except ValueError:
+        raise ValueError(f"{url!r}: fsspec knows no protocol {proto!r} (s3://, gs://, abfs://, a local "
+                         "path, ...)") from None
+    except ImportError as e:
+        raise ValueError(f"{url!r}: protocol {proto!r} needs a package that is not installed here: "
+                         f"{str(e).splitlines()[0]}") from None
 
 
 class SpecError(ValueError):

@@ -79,7 +79,8 @@ def _more_families():
     return [(T.AutoModelForMaskedLM.from_config, _eager(T.RobertaConfig(**small, pad_token_id=1))),
             (T.AutoModelForCausalLM.from_config, _eager(T.MistralConfig(**small, num_key_value_heads=2))),
             (T.AutoModelForCausalLM.from_config, _eager(T.Qwen2Config(**small, num_key_value_heads=2))),
-            (T.AutoModelForCausalLM.from_config, _eager(T.GemmaConfig(**small, num_key_value_heads=2, head_dim=16))),
+            (T.AutoModelForCausalLM.from_config,
+             _eager(T.GemmaConfig(**small, num_key_value_heads=2, head_dim=16))),
             (T.AutoModelForCausalLM.from_config, _eager(T.OlmoConfig(**small, pad_token_id=0)))]
 
 

@@ -590,3 +590,14 @@ def test_a_gpu_job_on_an_embedded_cluster_without_gpus_fails_before_ray_starts(m
         with pytest.raises(ValueError, match="GPU"):
             run(spec)
         assert not ray.is_initialized()
+
+
+def test_a_url_whose_filesystem_cannot_load_here_is_refused_before_ray():
+    """Its first use was a worker's restore, after Ray started: refused with the spec instead."""
+    for section, key in (("data", "path"), ("checkpoint", "persist_url")):
+        with pytest.raises(SpecError, match=rf"{section}\.{key}: 's4://b/x': fsspec knows no protocol 's4'"):
+            JobSpec.from_dict({section: {key: "s4://b/x"}})
+        with pytest.raises(SpecError, match=rf"{section}\.{key}: 'gcs://b/x': protocol 'gcs' needs a package "
+                                            "that is not installed here: Please install gcsfs"):
+            JobSpec.from_dict({section: {key: "gcs://b/x"}})
+        assert getattr(JobSpec.from_dict({section: {key: "s3://b/x"}}), section).model_dump()[key] == "s3://b/x"

@@ -214,7 +214,7 @@ class ObjectStoreCheckpointer:
                 break
         # pointers written before complete_step existed vouch for their step
         vouched = pointer.get("complete_step", pointer["step"]) if pointer is not None else None
-        if found is None and pointer is not None and pointer["run"] == self.store.run:
+        if found is None and pointer is not None and pointer["run"] == self.store.run and vouched is None:
             log.warning("Ray Train's latest checkpoint points to step %d of this run, but no rank's "
                         "set of parts for it (or any earlier step) was complete when the worker group "
                         "failed: starting afresh", pointer["step"])
@@ -342,7 +342,8 @@ class ObjectStoreCheckpointer:
             persist = self._persist_due(step)
             self._unpersisted = None if persist else step
             handoff = Handoff(self.store, self.rank, self.world, step, captured, self._bytes,
-                              {"state": state}, self._refused, persist=persist)
+                              {"state": state}, self._refused, persist=persist,
+                              complete_step=None if handed < 0 else handed)
             # the copy thread puts the live tensors straight into the object store (CPU)
             handoff.copy = self._copy = HostCopy([p for p in captured.values() if isinstance(p, Flat)],
                                                  put=handoff.put_live)

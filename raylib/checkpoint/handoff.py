@@ -35,9 +35,10 @@ class Handoff:
 
     def __init__(self, store, rank: int, world: int, step: int, captured: dict[str, Any], nbytes: int,
                  meta: dict[str, Any], failures: list[str], copy: HostCopy | None = None,
-                 persist: bool = True):
+                 persist: bool = True, complete_step: int | None = None):
         self.store, self.rank, self.world, self.step, self.copy = store, rank, world, step, copy
         self.persist = persist
+        self.complete_step = complete_step  # the newest step every rank has handed over: kept
         self.captured, self.nbytes, self.meta = captured, nbytes, meta
         self.failures = failures  # shared with the checkpointer: what fell back to a direct write
         self.replicas: list[str] | None = None
@@ -75,7 +76,7 @@ class Handoff:
                 if self.refs is None:
                     self._put(live=False)
                 answer = self.store.put(self.step, self.rank, self.world, self.refs, self.nbytes, self.meta,
-                                        self.persist)
+                                        self.persist, complete_step=self.complete_step)
                 self.replicas = ray.get(answer, timeout=PUT_TIMEOUT_S)["replicas"]
             except Exception as e:  # refused, keeper gone, store full: write it out instead
                 self._fall_back(e)

@@ -142,17 +142,23 @@ class CheckpointKeeper:
             with self._lock:
                 self._reserved -= nbytes
 
-    def _add(self, run: str, step: int, rank: int, part: _Part, keep: int) -> None:
-        """Hold the part, dropping (run, rank)'s oldest beyond `keep`. Replicas can arrive out of
-        order: one older than every part kept is dropped rather than evict a newer one."""
+    def _add(self, run: str, step: int, rank: int, part: _Part, keep: int,
+             complete_step: int | None = None) -> None:
+        """Hold the part, dropping (run, rank)'s oldest beyond `keep`, but never the part of
+        `complete_step`, the newest step every rank has handed over: a rank may run up to
+        MAX_PENDING snapshots ahead of the slowest, whose newer parts are not complete anywhere.
+        Replicas can arrive out of order: one older than every part kept is dropped rather than
+        evict a newer one."""
         with self._lock:
             self._parts[(run, step, rank, part.replica)] = part
             keys = sorted(k for k in self._parts if k[0] == run and k[2] == rank and k[3] == part.replica)
             for key in keys[:max(0, len(keys) - keep)]:
-                del self._parts[key]
+                if key[1] != complete_step:
+                    del self._parts[key]
 
     def put(self, run: str, step: int, rank: int, world_size: int, refs: dict[str, Any], nbytes: int,
-            meta: dict[str, Any], policy: StorePolicy, persist: bool = True) -> dict[str, Any]:
+            meta: dict[str, Any], policy: StorePolicy, persist: bool = True,
+            complete_step: int | None = None) -> dict[str, Any]:
         """Own a copy of a rank's part: `refs` (owned by the rank) hold each file's bytes or a captured
         state dict (skeleton, arrays), copied as they are. Replication and persistence (unless
         `persist` is False: persist() may ask for it later) follow in the background. Returns
@@ -170,11 +176,13 @@ class CheckpointKeeper:
         t0 = time.perf_counter()
         own, sizes = self._take(run, rank, nbytes, policy, False, copy)
         self._time(run, "copy", time.perf_counter() - t0)
-        self._add(run, step, rank, _Part(own, sizes, world_size, meta, replica=False), policy.keep_in_memory)
+        self._add(run, step, rank, _Part(own, sizes, world_size, meta, replica=False), policy.keep_in_memory,
+                  complete_step)
         targets = ring_targets(self.node_id, policy.replicas)
         self._reap()
         for node in targets:
-            future = keeper_on(node).hold.remote(run, step, rank, world_size, own, sizes, meta, policy)
+            future = keeper_on(node).hold.remote(run, step, rank, world_size, own, sizes, meta, policy,
+                                                 complete_step)
             with self._lock:
                 self._replicating.append((run, node, future))
         if policy.persist_url and persist:
@@ -202,7 +210,8 @@ class CheckpointKeeper:
         self._jobs.put((job, run, step, rank, world_size, refs, meta, policy))
 
     def hold(self, run: str, step: int, rank: int, world_size: int, refs: dict[str, Any],
-             sizes: dict[str, int], meta: dict[str, Any], policy: StorePolicy) -> None:
+             sizes: dict[str, int], meta: dict[str, Any], policy: StorePolicy,
+             complete_step: int | None = None) -> None:
         """Keep a replica of another node's part: fetch it here and own the copy."""
         def copy():
             values = ray.get(list(refs.values()))
@@ -211,7 +220,8 @@ class CheckpointKeeper:
         t0 = time.perf_counter()
         own, _ = self._take(run, rank, sum(sizes.values()), policy, True, copy)
         self._time(run, "replica", time.perf_counter() - t0)
-        self._add(run, step, rank, _Part(own, sizes, world_size, meta, replica=True), policy.keep_in_memory)
+        self._add(run, step, rank, _Part(own, sizes, world_size, meta, replica=True), policy.keep_in_memory,
+                  complete_step)
 
     # -- background persistence ------------------------------------------------------------------
 

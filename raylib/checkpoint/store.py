@@ -90,15 +90,17 @@ class CheckpointStore:
             raise StoreFullError(refusal)
 
     def put(self, step: int, rank: int, world_size: int, refs: dict[str, Any], nbytes: int,
-            meta: dict[str, Any], persist: bool = True):
+            meta: dict[str, Any], persist: bool = True, complete_step: int | None = None):
         """Hand part (step, rank) to this node's keeper: `refs` (objects the caller put) hold each
         file's bytes, or a captured state dict as (skeleton, arrays), which the keeper copies as is;
         `nbytes` is their size. Returns the keeper's answer as an ObjectRef: ray.get(...) returns
         once the keeper owns its copy (keep `refs` alive until then) and raises StoreFullError when
         the node's checkpoint budget would overflow. Replication and persistence (unless `persist`
-        is False) go on after."""
+        is False) go on after. complete_step: the newest step complete on every rank, which the
+        keepers' retention keeps (what a restart loads) even when this rank has newer parts."""
         keeper = keeper_on(_node_id())
-        return keeper.put.remote(self.run, step, rank, world_size, refs, nbytes, meta, self.policy, persist)
+        return keeper.put.remote(self.run, step, rank, world_size, refs, nbytes, meta, self.policy, persist,
+                                 complete_step)
 
     def persist_held(self, step: int, rank: int) -> bool:
         """Have this node's keeper persist part (step, rank), put without persistence; False if it

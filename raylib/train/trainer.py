@@ -444,7 +444,10 @@ def last_checkpoint(spec: JobSpec, run_dir: Path) -> str:
 
             # Ray Train may not have registered the newest pointer yet: the keepers know the run
             run = newest_held_run(run_family(spec, str(run_dir))) or run
-            step = CheckpointStore(run, policy).persist_newest() if run else None
+            store = CheckpointStore(run, policy) if run else None
+            step = store.persist_newest() if store else None
+            if step is not None:  # persisted: the keepers outlive this job, their copies would not
+                store.drop()      # be read again, yet count against every later job's budget
         except Exception as e:  # the cluster may be what failed
             log.warning("could not persist the newest in-memory checkpoint: %s", e)
             step = None

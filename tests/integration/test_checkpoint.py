@@ -63,7 +63,7 @@ def payload(step: int, rank: int) -> dict[str, bytes]:
             "latest": f"global_step{step}".encode()}
 
 
-def _save(run: str, policy, step: int, rank: int, world: int):
+def _save(run: str, policy, step: int, rank: int, world: int, complete_step: int | None = None):
     """A rank's save, run on the node the task is pinned to: put its files, hand them over."""
     import numpy as np
     import ray
@@ -73,7 +73,7 @@ def _save(run: str, policy, step: int, rank: int, world: int):
     files = payload(step, rank)
     refs = {rel: ray.put(np.frombuffer(data, dtype=np.uint8)) for rel, data in files.items()}
     answer = CheckpointStore(run, policy).put(step, rank, world, refs, sum(map(len, files.values())),
-                                              {"state": {"rank": rank}})
+                                              {"state": {"rank": rank}}, complete_step=complete_step)
     return ray.get_runtime_context().get_node_id(), ray.get(answer)
 
 
@@ -156,6 +156,29 @@ def test_retention_then_every_keeper_killed_restores_from_s3(cluster, s3_bucket)
     # New keepers start on demand after the old ones died.
     save("s3run", policy, 8, ranks)
     assert store.complete_steps()[0] == (8, 2)
+
+
+def test_retention_keeps_the_step_every_rank_has_handed_over(cluster):
+    """A rank may run MAX_PENDING snapshots ahead of the slowest: at save(40) rank 0's 30 and 40
+    reach its keeper while rank 1 has handed over 20 at most, so 20 is what the ranks agree is
+    complete (and what a restart loads). keep_in_memory=2 must not drop rank 0's part of it."""
+    import ray
+
+    from raylib.checkpoint import CheckpointStore, StorePolicy
+
+    _, nodes, _ = cluster
+    policy = StorePolicy(keep_in_memory=2, replicas=1)
+    task = ray.remote(num_cpus=0)(_save)
+    for step, complete in ((10, None), (20, None), (30, 10), (40, 20)):
+        ray.get(task.options(**on(nodes[0].node_id)).remote("lagging", policy, step, 0, 2, complete))
+    for step, complete in ((10, None), (20, None)):
+        ray.get(task.options(**on(nodes[1].node_id)).remote("lagging", policy, step, 1, 2, complete))
+    store = CheckpointStore("lagging", policy)
+    store.flush()
+    assert sorted(s for s, r in store.holders() if r == 0) == [20, 30, 40]
+    assert store.complete_steps(persisted=False) == [(20, 2)]
+    assert all(len(copies) == 2 for copies in store.holders().values()), "replicas keep it too"
+    store.drop()
 
 
 def test_corrupt_persisted_shard_falls_back_to_the_previous_checkpoint(cluster, tmp_path, caplog):
@@ -274,6 +297,16 @@ def complete_in_memory(prefix: str) -> list[int]:
     return sorted(step for (run, step), got in ranks.items() if len(got) == worlds[(run, step)])
 
 
+def held_parts(prefix: str) -> list[tuple[str, int, int]]:
+    """(run, step, rank) of every part, replicas included, the keepers hold for runs with `prefix`."""
+    import ray
+
+    from raylib.checkpoint import live_keepers
+
+    return sorted((p["run"], p["step"], p["rank"]) for keeper in live_keepers().values()
+                  for p in ray.get(keeper.inventory.remote(), timeout=10) if p["run"].startswith(prefix))
+
+
 def kill_a_worker_after_a_checkpoint(api: str, prefix: str, seen: dict, timeout_s: float = 600) -> None:
     """SIGKILL one Ray Train worker process as soon as a checkpoint is complete in memory.
 
@@ -339,19 +372,20 @@ def _restore_with_pointer(spec, of_this_fit: bool, vouched: int | None = 2):
 
 
 def test_a_pointer_to_an_incomplete_checkpoint_is_never_loaded(cluster, tiny_dataset, tmp_path):
-    """Rank 0 reports the pointer before the other ranks' parts reach their keepers. A worker group
-    restarted within the same fit starts afresh (nothing complete); a new fit whose pointer vouches
-    for a step that survives nowhere stops with a clear error rather than silently discarding the
-    training done; one whose pointer vouches for nothing (its fit died within its first handoff: a
-    race, not a loss) starts afresh."""
+    """Rank 0 reports the pointer before the other ranks' parts reach their keepers. A pointer
+    that vouches for nothing (its fit died within its first handoff: a race, not a loss) starts
+    afresh, in the same fit (a restarted worker group) or a new one; one that vouches for a step
+    that survives nowhere stops with a clear error rather than silently discarding the training
+    done, in a new fit or the same one."""
     import ray
 
     spec = job(tiny_dataset, tmp_path, "pointer")
     task = ray.remote(num_cpus=0)(_restore_with_pointer)
-    assert ray.get(task.remote(spec, True)) == (None, None)
-    found, error = ray.get(task.remote(spec, False))
-    assert found is None and "no complete copy of any checkpoint" in error, error
+    assert ray.get(task.remote(spec, True, None)) == (None, None)
     assert ray.get(task.remote(spec, False, None)) == (None, None)
+    for of_this_fit in (True, False):
+        found, error = ray.get(task.remote(spec, of_this_fit))
+        assert found is None and "no complete copy of any checkpoint" in error, error
 
 
 @pytest.mark.chaos
@@ -444,6 +478,9 @@ def test_a_run_out_of_restarts_says_how_often_it_failed_and_where_to_resume(clus
     assert step in PersistedRun(found[2], found[3]).complete_steps(), message
     assert step % 2 == 0 and 2 <= step <= seen["killed_after"] + 2, (message, seen)
     assert "running the same job again resumes from it" in message
+    # persisted, its memory copies are freed: the keepers outlive the job and would count them
+    # against every later job's checkpoint.max_store_fraction
+    assert held_parts("doomed-") == []
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -695,6 +695,10 @@ DEVICE_METRICS = (
 HOST_METRICS = ("cpu_pct", "host_cpu_pct", "rss_bytes", "memory_available_bytes", "memory_total_bytes_host")
 LIST_METRICS = ("xid", "throttle")
 THRESHOLDS = ("slowdown_temperature_c", "shutdown_temperature_c", "power_limit_w")
+# the names a reading's `throttle` list holds (raylib.telemetry.nvml maps NVML's bits to them)
+THROTTLE_REASONS = ("gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_slowdown", "sync_boost",
+                    "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown",
+                    "display_clock_setting")
 HW_SLOWDOWN = ["hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"]
 
 
@@ -753,6 +757,17 @@ class HealthRule(_Section):
                              "list value (xid: [79, 48]); other metrics a comparison with a number")
         if self.relative_to and self.metric in HOST_METRICS + LIST_METRICS:
             raise ValueError(f"health rule {self.name!r}: relative_to applies to a GPU reading")
+        if self.action == "power_cap" and self.metric in HOST_METRICS:
+            raise ValueError(f"health rule {self.name!r}: power_cap lowers a GPU's power limit; "
+                             f"{self.metric} is the host's reading (use alert, isolate or stop)")
+        if self.metric == "xid" and not all(isinstance(v, int) for v in self.value):
+            raise ValueError(f"health rule {self.name!r}: xid values are numbers (xid: [79, 48]), got "
+                             f"{self.value}")
+        if self.metric == "throttle":
+            unknown = [v for v in self.value if v not in THROTTLE_REASONS]
+            if unknown:  # a reason no reading carries: a rule that can never fire
+                raise ValueError(f"health rule {self.name!r}: unknown throttle reason(s) {unknown}; one of "
+                                 f"{', '.join(THROTTLE_REASONS)}")
         return self
 
 
@@ -782,6 +797,14 @@ class HealthSpec(_Section):
     webhook: str | None = None
     """An http(s) URL that receives each alert as a JSON POST."""
 
+    @field_validator("webhook")
+    @classmethod
+    def _http(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"https?://[^/\s]+", v):
+            raise ValueError(f"{v!r} is not an http(s) URL: every alert would fail to post; write it whole, "
+                             "e.g. https://hooks.example.com/raylib")
+        return v
+
     @field_validator("rules")
     @classmethod
     def _unique(cls, v: list[HealthRule]) -> list[HealthRule]:
@@ -795,13 +818,14 @@ class PowerSpec(_Section):
     """GPU power limits (NVML; needs root). Every limit set is restored when the run ends."""
 
     limit_w: float | None = Field(None, gt=0)
-    """Run every GPU of the job at this power limit."""
+    """Run every GPU of the job at this power limit, in watts (outside the GPU's range: an error)."""
     tune: bool = False
     """Zeus-style: at the start of the run step the limit down from the maximum, measure time and
     energy per step at each, and train on at the limit that minimises
     eta * energy + (1 - eta) * max_power * time."""
-    sweep_w: list[float] | None = None
-    """Limits to try (None: from the maximum down to the minimum in steps of step_w)."""
+    sweep_w: list[Annotated[float, Field(gt=0)]] | None = Field(None, min_length=1)
+    """Limits to try, in watts (None: from the maximum down to the minimum in steps of step_w);
+    a tuning run whose limits all lie outside the GPU's range stops with an error."""
     step_w: float = Field(50.0, gt=0)
     steps_per_limit: int = Field(3, ge=1)
     eta: float = Field(0.5, ge=0, le=1)

@@ -26,9 +26,13 @@ class PowerControl:
                 return d.power_limit_w
         return None
 
-    def set(self, index: int, watts: float, why: str) -> float:
-        """Set (clamped into the device's range); returns the limit set."""
+    def set(self, index: int, watts: float, why: str, clamp: bool = True) -> float:
+        """Set (clamped into the device's range, or out of it an error naming `why`, the setting);
+        returns the limit set."""
         lo, hi, _ = self.backend.power_limit_range(index)
+        if not clamp and not lo <= watts <= hi:
+            raise ValueError(f"{why}={watts:g} W is outside gpu{index}'s power limit range {lo:g}-{hi:g} W "
+                             "(NVML); give a limit in watts within it")
         watts = min(max(watts, lo), hi)
         if index not in self.original:
             self.original[index] = self.limit(index)
@@ -77,7 +81,10 @@ class PowerTuner:
         self.all_reduce = all_reduce  # (values: list[float], op: "max"|"sum") -> list[float]
         index = control.indices[0]
         self.limits = sweep_limits(control.backend, index, spec)
-        self.max_power = control.backend.power_limit_range(index)[1]
+        lo, self.max_power, _ = control.backend.power_limit_range(index)
+        if not self.limits:  # e.g. kilowatts: tuning would silently do nothing
+            raise ValueError(f"power.sweep_w={spec.sweep_w} has no limit within gpu{index}'s power limit "
+                             f"range {lo:g}-{self.max_power:g} W (NVML); give limits in watts within it")
         self.table: list[dict[str, Any]] = []
         self.chosen: float | None = None
         self._i = 0

@@ -85,7 +85,7 @@ class RankTelemetry:
             log.warning("power.%s: %s", "tune" if p.tune else "limit_w", self.power_skipped)
         elif p.limit_w:
             for i in self.indices:
-                self.power.set(i, p.limit_w, "power.limit_w")
+                self.power.set(i, p.limit_w, "power.limit_w", clamp=False)
         elif p.tune:
             from raylib.telemetry.power import PowerTuner
 

@@ -103,6 +103,13 @@ def test_default_health_rules():
     assert "hw_slowdown" in HW_SLOWDOWN and "sw_power_cap" not in HW_SLOWDOWN
 
 
+def test_the_specs_throttle_reasons_are_the_names_nvml_readings_carry():
+    from raylib.spec import THROTTLE_REASONS
+    from raylib.telemetry.nvml import THROTTLE_NAMES
+
+    assert sorted(THROTTLE_REASONS) == sorted(THROTTLE_NAMES.values())
+
+
 @pytest.mark.parametrize("rules, names", [
     (None, ["power.limit_w and power.tune both set the limit; choose one"]),
     ([{"name": "t", "metric": "temp", "value": 80}],
@@ -114,9 +121,20 @@ def test_default_health_rules():
      ["health.rules.0", "relative_to applies to a GPU reading"]),
     ([{"name": "a", "metric": "cpu_pct", "value": 90}, {"name": "a", "metric": "rss_bytes", "value": 1}],
      ["health.rules", "names must be unique", "['a', 'a']"]),
+    # rules that could never fire
+    ([{"name": "t", "metric": "throttle", "op": "any_of", "value": ["HwSlowdown"]}],
+     ["health.rules.0", "unknown throttle reason(s) ['HwSlowdown']", "hw_slowdown, sync_boost"]),
+    ([{"name": "x", "metric": "xid", "op": "any_of", "value": ["79"]}],
+     ["health.rules.0", "xid values are numbers (xid: [79, 48]), got ['79']"]),
+    ([{"name": "c", "metric": "cpu_pct", "value": 95, "action": "power_cap"}],
+     ["health.rules.0", "power_cap lowers a GPU's power limit; cpu_pct is the host's reading"]),
+    ("webhook", ["health.webhook: 'hooks.example.com/x' is not an http(s) URL", "e.g. https://"]),
+    ("kilowatts", ["power.sweep_w.0: Input should be greater than 0"]),
 ])
 def test_bad_rules_and_power_are_refused_with_the_reason(rules, names):
-    message = spec_error({"health": {"rules": rules}} if rules else {"power": {"tune": True, "limit_w": 300}})
+    message = spec_error({"health": {"webhook": "hooks.example.com/x"}} if rules == "webhook" else
+                         {"power": {"tune": True, "sweep_w": [-0.3]}} if rules == "kilowatts" else
+                         {"health": {"rules": rules}} if rules else {"power": {"tune": True, "limit_w": 300}})
     for name in names:
         assert name in message, message
 
@@ -411,9 +429,11 @@ def test_sweep_limits():
     assert sweep_limits(backend, 0, PowerSpec(tune=True)) == [700.0 - 50 * k for k in range(11)]
     sweep = PowerSpec(tune=True, sweep_w=[100, 300, 650, 800, 500])
     assert sweep_limits(backend, 0, sweep) == [650.0, 500.0, 300.0]
-    none = PowerSpec(tune=True, sweep_w=[50, 900])  # no limit in range: the tuner does nothing
-    tuner = PowerTuner(PowerControl(backend, [0]), Sampler(gpu=backend), none)
-    assert tuner.done and tuner.limits == [] and backend.nvml.set_calls == []
+    none = PowerSpec(tune=True, sweep_w=[0.3, 0.25])  # kilowatts: no limit in range is an error
+    with pytest.raises(ValueError, match=r"power.sweep_w=\[0.3, 0.25\] has no limit within gpu0's power "
+                                         r"limit range 200-700 W \(NVML\); give limits in watts"):
+        PowerTuner(PowerControl(backend, [0]), Sampler(gpu=backend), none)
+    assert backend.nvml.set_calls == []
 
 
 @pytest.mark.parametrize("eta, chosen", [(0.5, 500.0), (0.0, 700.0)])
@@ -510,6 +530,11 @@ def test_isolate_and_stop_rules_set_the_ranks_severity(rank_env, action, severit
 
 
 def test_power_limit_w_is_set_and_restored_and_skipped_without_a_gpu(rank_env, monkeypatch):
+    for kilowatts in (0.3, 300_000):  # a unit slip is an error, not a limit clamped to the range's end
+        with pytest.raises(ValueError, match=rf"power.limit_w={kilowatts:g} W is outside gpu0's power "
+                                             "limit range 200-700 W"):
+            RankTelemetry(job([], limit_w=kilowatts), rank=0, local_rank=0, node="node-a",
+                          on_gpu=False).start()
     rt = RankTelemetry(job([], limit_w=350), rank=0, local_rank=0, node="node-a", on_gpu=False).start()
     assert rt.power.limit(0) == 350.0
     assert rt.finish()["power"]["limits_after_restore"] == {"gpu0": 600.0}

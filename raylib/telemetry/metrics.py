@@ -23,7 +23,7 @@ GAUGES = {
     "gpu_ecc_uncorrected": "GPU uncorrectable ECC errors, volatile (NVML)",
     "cpu_pct": "CPU use of the training worker process (percent of one core)",
     "rss_bytes": "Resident memory of the training worker process",
-    "energy_j": "Energy of this rank since the run started (measured or estimated)",
+    "energy_j": "Energy of this rank since it started: its GPUs' (NVML), else the CPU package's (RAPL)",
     "health_firings": "Health rules fired on this rank's devices",
 }
 DEVICE_GAUGES = {"utilization_pct": "gpu_utilization_pct", "memory_used_bytes": "gpu_memory_used_bytes",

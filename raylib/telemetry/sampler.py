@@ -92,6 +92,10 @@ class Sampler:
             self.gauges.sample(sample)
             if self.monitor is not None:
                 self.gauges.set("health_firings", len(self.monitor.fired))
+            if self._first is not None:  # measured energy so far: the GPUs', else the package's (RAPL)
+                e = self.energy()
+                joules = e["gpu_j"] if e["gpu_j"] is not None else e["rapl_j"]
+                self.gauges.set("energy_j", joules, device="rank")
         return sample
 
     def latest(self) -> dict[str, Any]:

@@ -179,6 +179,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
                     for k in ("mfu", "samples_per_s", "data_wait_fraction"):
                         telemetry.gauges.set(k, metrics[k])
                     telemetry.gauges.set("step_time_s", step_times[-1])
+                    loop_s = time.perf_counter() - loop_start
+                    telemetry.gauges.set("comm_fraction", parts.comm_seconds() / loop_s)
             if evaluator and _eval_due(spec, done):
                 te = time.perf_counter()
                 metrics.update(evaluator(engine) if layout.pp == 1 else _pipe_eval(engine, evaluator, spec))

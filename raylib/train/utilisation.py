@@ -36,6 +36,10 @@ class StepParts:
             yield
         self.seconds[name] += time.perf_counter() - t
 
+    def comm_seconds(self) -> float:
+        """Seconds in collectives so far (the `communication` part of to_dict)."""
+        return self._comm["compute"].sync_seconds + self._comm["optimizer"].sync_seconds
+
     def to_dict(self, loop_s: float) -> dict[str, float]:
         """Seconds per part over the loop (compute and optimizer without their collectives)."""
         comm = {p: self._comm[p].sync_seconds for p in PHASES}

@@ -252,6 +252,19 @@ def test_samples_carry_every_field_and_firings_reach_on_firing(clock):
     assert plain.sample_now()["devices"][0]["index"] == 0 and "host" not in plain.latest()
 
 
+def test_the_energy_gauge_follows_the_counter(clock):
+    values = {}
+    gauges = SimpleNamespace(sample=lambda sample: None,
+                             set=lambda name, value, device="": values.__setitem__((name, device), value))
+    s = Sampler(interval_s=3600, gpu=NvmlBackend(FakeNvml(script(GPU, dict(GPU, power_w=250)))),
+                gauges=gauges)
+    s.start()
+    clock.advance(2.0)
+    s.sample_now()
+    assert values[("energy_j", "rank")] == s.energy()["gpu_j"] == (500.0 + 250.0) * 2.0
+    s.stop()
+
+
 def test_energy_from_the_nvml_counter(clock):
     s = Sampler(interval_s=3600, gpu=NvmlBackend(FakeNvml(script(GPU, dict(GPU, power_w=250)))))
     s.start()

@@ -278,8 +278,9 @@ class TierSpec(_Section):
     """Bytes a cache tier may hold, shared by the node's ranks ('512MB' accepted). Left out for
     the origin."""
     bandwidth: float | None = Field(None, gt=0)
-    """Bytes/s this tier feeds the next faster one ('1GB/s'); None: measured from the transfers.
-    Used to plan how far ahead to prefetch."""
+    """Bytes/s this tier feeds the next faster one ('1GB/s'), for `raylib estimate`'s data term
+    (the performance model). The prefetcher sizes its lookahead from the origin's bandwidth as
+    measured on the transfers, not from this."""
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
     """fsspec options for the URL (the origin; credentials come from the environment)."""
 

@@ -625,6 +625,14 @@ class CheckpointSpec(_Section):
     snapshots, rarer uploads: a lost worker or node resumes from memory, a lost cluster loses at
     most this much (CheckFreq, Gemini)."""
 
+    @field_validator("persist_every", mode="before")
+    @classmethod
+    def _not_a_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # YAML's true would become 1 (every snapshot), unasked
+            raise ValueError(f"{v} is not a cadence; give a count of snapshots (1: every one) or a "
+                             "duration such as 10m")
+        return v
+
     @field_validator("persist_every")
     @classmethod
     def _cadence(cls, v: int | str) -> int | str:

@@ -449,6 +449,7 @@ def test_checkpoint_section_rejects_impossible_values():
                               ({"keep_in_memory": 0}, "checkpoint.keep_in_memory"),
                               ({"persist_every": 0}, "checkpoint.persist_every"),
                               ({"persist_every": "10 minutes"}, "write e.g. 30s, 10m or 1h"),
+                              ({"persist_every": True}, "True is not a cadence; give a count of snapshots"),
                               ({"persist": "s3://x"}, "checkpoint.persist: unknown key")]:
         with pytest.raises(SpecError, match=fragment):
             JobSpec.from_dict({"checkpoint": section})

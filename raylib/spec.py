@@ -414,7 +414,7 @@ class CompressionSpec(_Section):
     """powersgd: the rank r of the factors (>= 1)."""
     warm_start: bool = True
     """powersgd: start each step's power iteration from the previous step's Q."""
-    min_compression_rate: float = Field(2.0, ge=1.0)
+    min_compression_rate: float = Field(2.0, ge=1.0, allow_inf_nan=False)
     """powersgd: a gradient whose factors would not be this many times smaller goes dense."""
     fraction: float = 0.01
     """topk: the share of each gradient's entries sent, in (0, 1]."""

@@ -236,9 +236,11 @@ class PowerSGD(Compressor):
         return rank if rank > 0 and _should_compress(rows, cols, rank, self.min_compression_rate) else 0
 
     def _initial_q(self, name: str, cols: int, rank: int, device: torch.device) -> torch.Tensor:
-        """The warm-started Q of `name`, or a fresh normal one drawn on the CPU (identical on every rank)."""
+        """The warm-started Q of `name`, or a fresh normal one drawn on the CPU (identical on every rank).
+        A warm Q with a zero column is drawn again: an all-zero first gradient (LoRA's A while B is
+        still zero, a layer unused at that step) would leave P = M Q = 0 in that column for good."""
         q = self._q.get(name) if self.warm_start else None
-        if q is None or q.shape != (cols, rank):
+        if q is None or q.shape != (cols, rank) or not bool((q.abs().sum(0) > 0).all()):
             q = torch.randn(cols, rank, generator=self._generator, dtype=torch.float32)
         return q.to(device=device, dtype=torch.float32, copy=True)
 
@@ -298,9 +300,14 @@ class PowerSGD(Compressor):
         return state
 
     def load_state_dict(self, state: dict, same_world: bool = True) -> None:
-        """Q is the group's (identical on every rank), so it survives a world change; a Q whose shape no
-        longer fits (rank changed) is redrawn on first use."""
+        """In the same world Q and the generator resume exactly. In another, neither: the new ranks
+        have no state to load, and every rank must draw the same Q (a Q differing between ranks makes
+        the summed P meaningless), so all start afresh from the seed. A Q whose shape no longer fits
+        (rank changed) is redrawn on first use."""
         super().load_state_dict(state, same_world)
+        if not same_world:
+            self._q, self._generator = {}, torch.Generator().manual_seed(self.seed)
+            return
         self._q = {name: q.detach().clone().float() for name, q in state.get("q", {}).items()}
         if state.get("generator") is not None:
             self._generator.set_state(state["generator"].clone())

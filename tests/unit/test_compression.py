@@ -561,17 +561,36 @@ def test_state_dict_is_a_snapshot_and_resumes_exactly(ranks):
                     assert torch.equal(expected[name], resumed[name]), (label, name)
 
 
-def test_a_new_world_drops_errors_and_keeps_q(ranks, caplog):
+def test_a_new_world_drops_errors_and_q_so_old_and_new_ranks_draw_alike(ranks, caplog):
+    """A rank that joins has no state to load: a rank that had one must then draw the same Qs."""
     taken = result(ranks, "state")[0]["powersgd"]["taken"]
     assert taken["q"] and taken["errors"]
     compressor = make_compressor("powersgd", rank=2)
     with caplog.at_level(logging.WARNING, logger="raylib.train.compression"):
         compressor.load_state_dict(taken, same_world=False)
-    restored = compressor.state_dict()
-    assert restored["errors"] == {}
-    assert restored["q"].keys() == taken["q"].keys()
-    assert all(torch.equal(restored["q"][name], q) for name, q in taken["q"].items())
+    restored, joined = compressor.state_dict(), make_compressor("powersgd", rank=2).state_dict()
+    assert restored["errors"] == {} and restored["q"] == {}
+    assert torch.equal(restored["generator"], joined["generator"])
     assert "error-feedback" in caplog.text
+
+
+def test_a_warm_start_from_an_all_zero_first_gradient_still_sends_later_ones(tmp_path):
+    """LoRA's A has a zero gradient while B is zero: its Q must not stay zero (P = M @ 0 = 0 for good)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        compressor = make_compressor("powersgd", rank=4, warm_start=True)
+        generator = torch.Generator().manual_seed(0)
+        sent = []
+        for step in range(3):
+            grad = torch.zeros(16, 768) if step == 0 else torch.randn(16, 768, generator=generator)
+            compressor.reduce_([("lora_A.weight", grad)], None, 1, step)
+            sent.append(grad.norm().item())
+    finally:
+        dist.destroy_process_group()
+    assert sent[0] == 0.0 and sent[1] > 0 and sent[2] > 0, sent
 
 
 def test_loading_another_methods_state_is_refused():

@@ -57,6 +57,7 @@ def test_powersgd_and_topk_at_zero_1_2_reduce_one_contiguous_bucket_on_the_train
     ({"method": "zero_one_adam"}, {}, ["ZeroOneAdam"]),
     ({"method": "onebit_lamb"}, {}, ["OneBitLamb"]),
     ({"method": "powersgd", "surprise": 1}, {}, ["surprise"]),
+    ({"method": "powersgd", "min_compression_rate": float("inf")}, {}, ["min_compression_rate", "finite"]),
 ])
 def test_bad_input_is_refused_by_the_schema(compression, strategy, names):
     with pytest.raises(ValueError) as info:

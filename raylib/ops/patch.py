@@ -263,11 +263,22 @@ def _bias_gelu(patch, module, name, activation, transposed, choice, tp, tp_note)
     patch._undo.append(lambda: setattr(module, act_name, old_act))
 
 
+# Causal LMs whose loss is plain cross-entropy on lm_head(hidden): others transform the logits
+# first (Gemma2's final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling), which
+# the fused head would silently drop, changing the loss and the gradients.
+PLAIN_CAUSAL_LM_HEAD = frozenset({"gpt2", "llama", "mistral", "qwen2"})
+
+
 def _lm_head(model, patch, choice, tp, tp_note) -> None:
     kind = type(model).__name__
     if kind == "BertForMaskedLM":
         parent, name, forward = model.cls.predictions, "decoder", _bert_mlm_forward
     elif kind.endswith("ForCausalLM") or kind == "GPT2LMHeadModel":
+        if model.config.model_type not in PLAIN_CAUSAL_LM_HEAD:
+            patch.notes["linear_cross_entropy"] = (
+                f"{model.config.model_type}'s loss may transform the logits before cross-entropy (fused "
+                f"for {', '.join(sorted(PLAIN_CAUSAL_LM_HEAD))})")
+            return
         parent, name, forward = model, "lm_head", _causal_lm_forward
     else:
         return

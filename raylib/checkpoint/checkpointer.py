@@ -7,12 +7,14 @@ step) and a background thread hands them to its node's keeper (handoff.py). The 
 replicates and persists in the background (only persisting writes DeepSpeed's files). A restore
 from memory at the same world size serves the state dicts to DeepSpeed from the object store
 (deepspeed_io.ServeEngine): no file is written or read. Rank 0 reports a small *pointer*
-checkpoint to Ray Train ({run, step, world_size, persist_url, complete_step}), so Ray Train's
-bookkeeping, get_checkpoint() and Tune keep working. The pointer is reported before the ranks' parts
-of `step` have reached their keepers, so it is only a hint: restore loads the newest step that is
-complete, whatever the pointer says. `complete_step` is the newest step every rank had handed over
-when the pointer was written (one MIN all-reduce per save; None before the first): the one the
-pointer vouches for.
+checkpoint to Ray Train ({run, step, world_size, persist_url, complete_step, resumed_from}), so
+Ray Train's bookkeeping, get_checkpoint() and Tune keep working. The pointer is reported before
+the ranks' parts of `step` have reached their keepers, so it is only a hint: restore loads the
+newest step that is complete, whatever the pointer says. `complete_step` is the newest step every
+rank had handed over when the pointer was written (one MIN all-reduce per save; None before the
+first): the one the pointer vouches for. `resumed_from` ({run, persist_url, step}) is what this
+fit's latest restore loaded (carried over from the pointer when it loaded nothing), so a fit that
+fails before its own first snapshot is complete can resume from there again.
 
 Restoring after a restart, every rank must load the same step, so the choice is collective: rank 0
 lists the complete steps (newest first) and broadcasts them; for each, every rank fetches what it
@@ -26,11 +28,12 @@ of the same fit first looks at its own key: Ray Train registers a reported check
 controller next polls the workers, so a worker killed right after a save can leave the pointer one
 checkpoint behind (or absent) while the snapshot itself is complete in the keepers. Failing that,
 a new fit resumes from the key named by Ray Train's pointer (the previous fit's), and with neither
-it starts afresh: leftovers of earlier fits in the same run directory are never read, and freed.
-A pointer of this fit with no complete step behind it (a rank died before its first part reached a
-keeper) is a fresh start with a warning, and so is one of a previous fit that vouches for no step
-(its fit died within its first snapshot's handoff); one of a previous fit whose complete_step
-survives nowhere is an error (training would silently be lost).
+it starts afresh. Leftovers of earlier fits in the same run directory are never read; they are
+freed once this fit has a complete snapshot of its own (until then a restart may need the step it
+resumed from). A pointer (of this fit or a previous one) that vouches for no step (its fit died
+before every rank had handed over a snapshot) leads to the step its fit resumed from
+(resumed_from), or, with none, to a fresh start with a warning; a pointer whose complete_step or
+resumed_from survives nowhere is an error (training would silently be lost).
 """
 
 from __future__ import annotations
@@ -156,6 +159,8 @@ class ObjectStoreCheckpointer:
         self._unpersisted: int | None = None  # the newest snapshot's step if put without persistence
         self._handed: int | None = None  # the newest step this rank's handoff settled (not lost)
         self._last_persist = time.monotonic()  # rank 0's: a duration cadence counts from the start
+        self._resumed_from: dict[str, Any] | None = None  # what restore loaded (run, persist_url, step)
+        self._others_dropped = False  # whether other fits' memory copies were freed (rank 0)
         if spec.checkpoint.in_memory:  # while the engine is built: a first actor call costs ~0.1 s
             threading.Thread(target=_connect_to_keepers, args=(self.rank,), name="ckpt-connect",
                              daemon=True).start()
@@ -180,21 +185,33 @@ class ObjectStoreCheckpointer:
     # -- restore --------------------------------------------------------------------------------
 
     def restore(self, engine, pointer: dict[str, Any] | None) -> tuple[int, dict[str, Any]] | None:
-        """Load the newest complete checkpoint of this fit, else of the fit the pointer names:
-        (next step, state); None when there is none (a fresh start)."""
+        """Load the newest complete checkpoint of this fit, else of the fit the pointer names, else
+        (when the pointer vouches for no step) of the one it resumed from: (next step, state); None
+        when there is none (a fresh start)."""
         t0 = time.perf_counter()
         self.store = CheckpointStore(self.family + fit_id(), self.policy)
         readers = [self.store]
-        if pointer is not None and pointer["run"] != self.store.run:
-            readers.append(CheckpointStore(pointer["run"],
-                                           replace(self.policy, persist_url=pointer["persist_url"])))
+        # pointers written before complete_step existed vouch for their step
+        vouched = pointer.get("complete_step", pointer["step"]) if pointer is not None else None
+        ours = pointer is not None and pointer["run"] == self.store.run
+        # a pointer that vouches for nothing (its fit had no complete snapshot of its own yet) falls
+        # back to what that fit resumed from; one that vouches for a step must find it (an older
+        # fit's step would silently drop the training done since)
+        lineage = pointer.get("resumed_from") if pointer is not None and vouched is None else None
+        others = [(pointer["run"], pointer["persist_url"])] if pointer is not None else []
+        others += [(lineage["run"], lineage["persist_url"])] if lineage is not None else []
+        for run, url in dict.fromkeys(others):
+            if run != self.store.run:
+                readers.append(CheckpointStore(run, replace(self.policy, persist_url=url)))
         found, tried, listed = None, [], set()
-        # First what the keepers hold, of this fit then of the pointer's: persist_url is listed
-        # only if they cannot offer a run's newest step, or if every step they offered was unusable
-        # (and once per run: opening and listing S3 takes time, even on loopback). This
-        # fit's persisted steps cannot lose to the pointer's memory copies: once this fit has
-        # restored, those are dropped (drop_others), long before it saves anything.
-        for reader, persisted, if_none_held in [(r, None, False) for r in readers] + \
+        # First what the keepers hold, of each reader in turn: persist_url is listed only if they
+        # cannot offer a run's newest step, or if every step they offered was unusable (and once
+        # per run: opening and listing S3 takes time, even on loopback). Older fits' memory copies
+        # outlive this fit's restore (freed at its first complete snapshot) and a run may have a
+        # complete step at persist_url only (refused by the keepers): so but for the last reader, a
+        # run's persist_url is listed even when the keepers hold none of it, and its persisted
+        # steps never lose to an older fit's memory copies.
+        for reader, persisted, if_none_held in [(r, None, r is not readers[-1]) for r in readers] + \
                 [(r, True, True) for r in readers]:
             if reader.run in listed:
                 continue
@@ -212,9 +229,21 @@ class ObjectStoreCheckpointer:
                                   "restore_phases_s": {k: v for k, v in self._phases.items()
                                                        if k.startswith("restore_")}}
                 break
-        # pointers written before complete_step existed vouch for their step
-        vouched = pointer.get("complete_step", pointer["step"]) if pointer is not None else None
-        if found is None and pointer is not None and pointer["run"] == self.store.run and vouched is None:
+        if found is not None:
+            self._resumed_from = {"run": reader.run, "persist_url": reader.policy.persist_url,
+                                  "step": found[0]}
+            if reader is self.store:  # complete on every rank: pointers vouch for it, retention keeps it
+                self._handed = found[0]
+        else:  # nothing loaded: a restart must still find what this fit resumed from
+            self._resumed_from = lineage
+        if found is None and lineage is not None:
+            raise RuntimeError(
+                f"Ray Train's latest checkpoint points to {pointer['run']} step {pointer['step']}, "
+                f"which had no complete checkpoint of its own but resumed from {lineage['run']} step "
+                f"{lineage['step']}; no complete copy of that step (or an earlier one) survives in the "
+                f"keepers' memory or at {lineage['persist_url']}; restore the persisted files, or start "
+                "the run afresh (remove its run directory)")
+        if found is None and ours and vouched is None:
             log.warning("Ray Train's latest checkpoint points to step %d of this run, but no rank's "
                         "set of parts for it (or any earlier step) was complete when the worker group "
                         "failed: starting afresh", pointer["step"])
@@ -230,8 +259,6 @@ class ObjectStoreCheckpointer:
                 f"{pointer['persist_url']}; restore the persisted files, or start the run afresh "
                 "(remove its run directory)"
             )
-        if self.rank == 0:  # loaded (or nothing to load): other fits' memory copies are dead weight
-            self.store.drop_others(self.family)
         return found[:2] if found else None
 
     def _load_newest(self, engine, reader: CheckpointStore, candidates: list[tuple[int, int]]):
@@ -335,6 +362,10 @@ class ObjectStoreCheckpointer:
         with self._phase("agree"):  # what the pointer vouches for: the newest step all ranks handed over
             mine = -1 if self._handed is None else self._handed
             handed = int(self._reduce(engine.device, [mine], "MIN")[0])
+        if handed >= 0 and self.rank == 0 and not self._others_dropped:
+            # this fit has a complete snapshot: a restart no longer needs other fits' memory copies
+            self.store.drop_others(self.family)
+            self._others_dropped = True
         metrics = {**metrics, "checkpoint_complete_step": None if handed < 0 else handed}
         with self._phase("capture"):
             captured = deepspeed_io.capture(engine, step, state, rank_state)
@@ -411,9 +442,7 @@ class ObjectStoreCheckpointer:
         if self.rank != 0:
             ray.train.report(metrics)
             return
-        pointer = {"run": self.store.run, "step": step, "world_size": self.world,
-                   "persist_url": self.policy.persist_url,
-                   "complete_step": metrics["checkpoint_complete_step"]}
+        pointer = self._pointer(step, metrics["checkpoint_complete_step"])
         directory = tempfile.mkdtemp(prefix="raylib-pointer-")
         with open(os.path.join(directory, POINTER), "w") as f:
             json.dump(pointer, f)
@@ -421,6 +450,11 @@ class ObjectStoreCheckpointer:
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
                          checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
                          delete_local_checkpoint_after_upload=True)
+
+    def _pointer(self, step: int, complete_step: int | None) -> dict[str, Any]:
+        return {"run": self.store.run, "step": step, "world_size": self.world,
+                "persist_url": self.policy.persist_url, "complete_step": complete_step,
+                "resumed_from": self._resumed_from}
 
     def close(self) -> None:
         """Wait for background persistence, then free this rank's parts up to the newest persisted
@@ -438,6 +472,8 @@ class ObjectStoreCheckpointer:
             log.warning("checkpoint %s: %s", self.store.run, error)
         if self._flushed["persisted"]:  # superseded or safe on persist_url
             self.store.drop(rank=self.rank, upto=self._flushed["persisted"][-1])
+            if self.rank == 0 and not self._others_dropped:  # no save saw a complete step: free them now
+                self.store.drop_others(self.family)
         previous = self._restored["restored_from"]
         if self.rank == 0 and previous not in (None, self.store.run) and self._flushed["persisted"]:
             # the fit this one resumed from is superseded by a complete persisted checkpoint

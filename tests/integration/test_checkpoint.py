@@ -388,6 +388,142 @@ def test_a_pointer_to_an_incomplete_checkpoint_is_never_loaded(cluster, tiny_dat
         assert found is None and "no complete copy of any checkpoint" in error, error
 
 
+def _one_rank_checkpointer(spec):
+    """A checkpointer of rank 0 in a one-rank gloo group (call dist.destroy_process_group after),
+    with an engine that is only a device: the steps restore picks are fetched for real, and
+    loading one into DeepSpeed is skipped."""
+    import tempfile
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from raylib.checkpoint.checkpointer import ObjectStoreCheckpointer
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
+    checkpointer = ObjectStoreCheckpointer(spec, str(spec.run_dir()))
+    checkpointer._load = lambda *args, **kwargs: None
+    return checkpointer, types.SimpleNamespace(device=torch.device("cpu"), module=torch.nn.Linear(1, 1))
+
+
+def _put_part(run: str, policy, step: int, rank: int, world: int, persist: bool) -> None:
+    """Part (step, rank) of `run`, held by this node's keeper (without persisting it)."""
+    import numpy as np
+    import ray
+
+    from raylib.checkpoint import CheckpointStore
+
+    files = payload(step, rank)
+    refs = {rel: ray.put(np.frombuffer(data, dtype=np.uint8)) for rel, data in files.items()}
+    ray.get(CheckpointStore(run, policy).put(step, rank, world, refs, 1, {"state": {}}, persist=persist))
+
+
+def _resume_then_fail_before_the_first_snapshot(spec, where: str):
+    """This fit restores an earlier fit's step 40 (`where`: in memory or persisted only), reports
+    its step 50 (complete_step None), and rank 1 of its 2 dies before handing step 50 over: the
+    restarted worker group gets this fit's own pointer. Returns (the step the restart restored,
+    from which run, the earlier fit's key, the restart's pointer's resumed_from)."""
+    import torch.distributed as dist
+
+    from raylib.checkpoint import CheckpointStore
+    from raylib.checkpoint.persist import PersistedRun
+
+    try:
+        first, engine = _one_rank_checkpointer(spec)
+        earlier = first.family + "an-earlier-fit"
+        if where == "memory":
+            _put_part(earlier, first.policy, 40, 0, 1, persist=False)
+        else:
+            PersistedRun(first.policy.persist_url, earlier).write_part(40, 0, 1, payload(40, 0),
+                                                                       {"state": {}})
+        pointer = {"run": earlier, "step": 40, "world_size": 1, "persist_url": first.policy.persist_url,
+                   "complete_step": 40}
+        assert first.restore(engine, pointer)[0] == 40
+        _put_part(first.store.run, first.policy, 50, 0, 2, persist=False)  # rank 1's never arrives
+        restart, _ = _one_rank_checkpointer(spec)
+        found = (restart.restore(engine, first._pointer(50, None)) or [None])[0]
+        for run in (earlier, first.store.run):
+            CheckpointStore(run, first.policy).drop()
+        return found, restart.metrics()["restored_from"], earlier, restart._pointer(60, None)["resumed_from"]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("where", ["memory", "persisted"])
+def test_a_resumed_fit_that_fails_before_its_first_snapshot_resumes_the_same_step(
+        cluster, tiny_dataset, tmp_path, where):
+    """Ray Train's pointer names this fit, which has no complete step yet: the restart resumes
+    the step this fit resumed from (named in the pointer), not step 0, and its pointers name it
+    too (for a further restart)."""
+    import ray
+
+    spec = job(tiny_dataset, tmp_path, f"lineage-{where}")
+    task = ray.remote(num_cpus=0)(_resume_then_fail_before_the_first_snapshot)
+    found, restored_from, earlier, resumed_from = ray.get(task.remote(spec, where))
+    assert found == 40 and restored_from == earlier, (found, restored_from)
+    assert resumed_from == {"run": earlier, "persist_url": str(spec.run_dir() / "checkpoints"), "step": 40}
+
+
+def _earlier_fit_kept_until_a_complete_snapshot(spec):
+    """An earlier fit's step 40 is in memory only (20 persisted); this fit restores 40, its worker
+    group fails before any snapshot, the restart restores 40 again and saves 50 and 52, and a
+    further restart loads 52. Returns (event, what it loaded, the drop_others calls so far)."""
+    import torch.distributed as dist
+
+    from raylib.checkpoint import CheckpointStore, deepspeed_io
+    from raylib.checkpoint.persist import PersistedRun
+
+    drops: list[str] = []
+    real_drop, real_capture = CheckpointStore.drop_others, deepspeed_io.capture
+
+    def drop_others(store, prefix):
+        drops.append(prefix)
+        real_drop(store, prefix)
+
+    CheckpointStore.drop_others = drop_others
+    deepspeed_io.capture = lambda engine, step, state, rank_state=None: payload(step, 0)
+    try:
+        first, engine = _one_rank_checkpointer(spec)
+        earlier = first.family + "an-earlier-fit"
+        PersistedRun(first.policy.persist_url, earlier).write_part(20, 0, 1, payload(20, 0), {"state": {}})
+        _put_part(earlier, first.policy, 40, 0, 1, persist=False)
+        pointer = {"run": earlier, "step": 40, "world_size": 1, "persist_url": first.policy.persist_url,
+                   "complete_step": 40}
+        events = [("first restore", first.restore(engine, pointer)[0], list(drops))]
+        restart, _ = _one_rank_checkpointer(spec)  # failed before any snapshot: Ray Train still has `pointer`
+        events.append(("restart", restart.restore(engine, pointer)[0], list(drops)))
+        restart._report = lambda metrics, step: None  # ray.train.report: outside Ray Train here
+        restart.save(engine, 50, {}, {})
+        restart.settle()
+        events.append(("save 50", None, list(drops)))
+        restart.save(engine, 52, {}, {})  # the ranks agree that 50 is complete
+        restart.settle()
+        events.append(("save 52", None, list(drops)))
+        again, _ = _one_rank_checkpointer(spec)
+        events.append(("restart after 52", again.restore(engine, restart._pointer(52, 50))[0], list(drops)))
+        for run in (earlier, first.store.run):
+            CheckpointStore(run, first.policy).drop()
+        return events, first.family
+    finally:
+        CheckpointStore.drop_others, deepspeed_io.capture = real_drop, real_capture
+        dist.destroy_process_group()
+
+
+def test_an_earlier_fits_memory_copies_outlive_the_restore_until_a_complete_snapshot(
+        cluster, tiny_dataset, tmp_path):
+    """The earlier fit's step 40 (in memory only) is what a restart before this fit's first
+    complete snapshot must find again: its copies are freed only once the ranks agree this fit
+    has a complete snapshot, not when it is restored (the restart would get the persisted 20)."""
+    import ray
+
+    spec = job(tiny_dataset, tmp_path, "keep-earlier")
+    task = ray.remote(num_cpus=0)(_earlier_fit_kept_until_a_complete_snapshot)
+    events, family = ray.get(task.remote(spec))
+    assert events == [("first restore", 40, []), ("restart", 40, []), ("save 50", None, []),
+                      ("save 52", None, [family]), ("restart after 52", 52, [family])], events
+
+
 @pytest.mark.chaos
 @pytest.mark.slow
 def test_killed_worker_resumes_exactly_then_on_one_worker(cluster, tiny_dataset, tmp_path):

@@ -56,7 +56,7 @@ def workload_of(spec, index=None) -> Workload:
                     prefetch=spec.data.prefetch_batches > 0,
                     checkpoint_interval=spec.checkpoint.interval_steps,
                     in_memory_checkpoint=spec.checkpoint.in_memory,
-                    compression_ratio=compression_ratio(shape, s.compression, s.precision))
+                    compression_ratio=compression_ratio(shape, s.compression, s.precision, spec.dp_size))
 
 
 def local_cluster(spec, calibration=None, world: int | None = None,

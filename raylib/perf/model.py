@@ -311,15 +311,17 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
     )
 
 
-def compression_ratio(shape, compression, precision: str) -> float:
-    """Bytes on the wire / dense bytes of the gradient reduction for a CompressionSpec: a 16-bit
-    reduction of fp32 gradients halves them; PowerSGD sends (m+n)r per m x n weight matrix of the
-    transformer layers (the rest dense); top-k sends `fraction` of the entries as value + index."""
+def compression_ratio(shape, compression, precision: str, dp: int) -> float:
+    """Bytes on the wire / dense bytes of the gradient reduction for a CompressionSpec over `dp`
+    data-parallel ranks: a 16-bit reduction of fp32 gradients halves them; PowerSGD sends (m+n)r
+    per m x n weight matrix of the transformer layers (the rest dense); top-k all-gathers
+    `fraction` of each rank's entries as value + index, dp x that output moved about once by a
+    ring against the dense all-reduce's tensor about twice: dp x fraction."""
     method = compression.method
     if method in ("fp16", "bf16"):
         return 0.5 if precision == "fp32" else 1.0
     if method == "topk":
-        return min(1.0, 2 * compression.fraction)
+        return min(1.0, dp * compression.fraction)
     if method == "powersgd":
         h, i, r = shape.hidden, shape.intermediate, compression.rank
         matrices = [(h, h)] * 4 + [(h, i), (i, h)]

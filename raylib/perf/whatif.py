@@ -38,7 +38,8 @@ def _workload(precision: str, kernels: str, compression: str, overlap: bool, pre
                      overlap_comm=overlap, compression=comp)
     return Workload(config=config, shape=shape, strategy=s, world=128, micro_batch=MICRO, accumulation=1,
                     seq_len=SEQ, bytes_per_sample=SEQ * 4, data_tier="cold", prefetch=prefetch,
-                    host_s_per_sample=host_s, compression_ratio=compression_ratio(shape, comp, precision))
+                    host_s_per_sample=host_s,
+                    compression_ratio=compression_ratio(shape, comp, precision, dp=128))
 
 
 def _cluster(placement: str) -> ClusterSpec:

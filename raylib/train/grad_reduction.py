@@ -53,7 +53,8 @@ class GradReduction:
     @staticmethod
     def _empty() -> dict[str, float]:
         return {"reduce_s": 0.0, "collective_s": 0.0, "payload_bytes": 0, "ring_bytes": 0.0, "calls": 0,
-                "dense_bytes": 0, "error_norm_sq": 0.0, "grad_norm_sq": 0.0, "compressed": 0}
+                "dense_bytes": 0, "dense_ring_bytes": 0.0, "error_norm_sq": 0.0, "grad_norm_sq": 0.0,
+                "compressed": 0}
 
     def _wrap(self, owner, name: str, replacement) -> None:
         original = getattr(owner, name)
@@ -73,7 +74,7 @@ class GradReduction:
             out = original(grads, *args, **kwargs)
         # what an all-reduce in the gradients' own dtype would hand over (16-bit communication halves it)
         dense = sum(t.numel() * t.element_size() for t in ([grads] if hasattr(grads, "numel") else grads))
-        self._account(time.perf_counter() - start, counted, {"dense_bytes": dense})
+        self._account(time.perf_counter() - start, counted, {"dense_bytes": dense}, None)
         return out
 
     def _zero0(self, original, bucket, dp_group, dp_world_size=None):
@@ -113,10 +114,19 @@ class GradReduction:
             self.compressor.reduce_(named, group, world, self.engine.global_steps)
         self.reached = True
         last = self.compressor.last
-        self._account(time.perf_counter() - start, counted, last)
+        self._account(time.perf_counter() - start, counted, last, world)
 
-    def _account(self, seconds: float, counted, last: dict) -> None:
+    def _account(self, seconds: float, counted, last: dict, world: int | None) -> None:
+        """world: the compressor's data-parallel world; None for DeepSpeed's own reduction."""
         o = self._open
+        # The ring bytes a dense reduction would move per rank: what the collective's ring bytes
+        # compare with. A compressor's reference is a ring all-reduce (the tensor moved about twice;
+        # an all-gather's output, world x what each rank sends, about once); DeepSpeed's own
+        # reduction is its own reference, in the gradients' dtype.
+        if world is not None:
+            o["dense_ring_bytes"] += last["dense_bytes"] * 2 * (world - 1) / world
+        elif counted.payload_bytes:
+            o["dense_ring_bytes"] += last["dense_bytes"] * counted.ring_bytes_per_rank / counted.payload_bytes
         o["reduce_s"] += seconds
         o["collective_s"] += counted.sync_seconds
         o["payload_bytes"] += counted.payload_bytes
@@ -154,7 +164,8 @@ class GradReduction:
             "bytes_per_step": int(med["payload_bytes"]),
             "ring_bytes_per_step": int(med["ring_bytes"]),
             "uncompressed_bytes_per_step": int(med["dense_bytes"]),
-            "compression_ratio": med["dense_bytes"] / med["payload_bytes"] if med["payload_bytes"] else None,
+            # bytes a rank moves in a ring, dense all-reduce over what it moved (1 on one rank: none)
+            "compression_ratio": med["dense_ring_bytes"] / med["ring_bytes"] if med["ring_bytes"] else None,
             # all of this rank's collectives per step: at ZeRO-1/2 also the all-gather of the updated
             # parameters, which no gradient compression touches
             "collective_bytes_per_step": int(med["all_bytes"]),

@@ -117,9 +117,11 @@ def test_tensor_parallel_all_reduces_activations_inside_the_node():
 
 def test_compression_scales_the_gradient_bytes():
     shape = LARGE_SHAPE
-    assert compression_ratio(shape, CompressionSpec(method="fp16"), "fp32") == 0.5
-    assert compression_ratio(shape, CompressionSpec(method="topk", fraction=0.01), "fp16") == 0.02
-    ratio = compression_ratio(shape, CompressionSpec(method="powersgd", rank=4), "fp16")
+    assert compression_ratio(shape, CompressionSpec(method="fp16"), "fp32", dp=8) == 0.5
+    # top-k's all-gather grows with the ranks: each one's share arrives at every other
+    topk = CompressionSpec(method="topk", fraction=0.01)
+    assert [compression_ratio(shape, topk, "fp16", dp=n) for n in (2, 4, 64, 128)] == [0.02, 0.04, 0.64, 1.0]
+    ratio = compression_ratio(shape, CompressionSpec(method="powersgd", rank=4), "fp16", dp=8)
     per_layer = 4 * (2048 * 4) + 2 * (5120 * 4)
     dense = 4 * 1024 ** 2 + 2 * 1024 * 4096
     rest = 335e6 - 24 * dense

@@ -14,7 +14,8 @@ plan gives it; the un-tiered path (`data.source`) still reads through Ray Data.
 Exact resume: the sequence is deterministic and row counts per shard are in index.json, so the
 number of rows a rank has consumed (steps x accumulation x micro-batch) locates the next unseen
 sample (shard position, row) without any saved iterator state; the state saved in checkpoints
-is that row count plus a fingerprint of what defines the order, checked on resume.
+is that row count, the positions skipped as corrupt (they gave no rows: not counted when
+locating), and a fingerprint of what defines the order, checked on resume.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import queue
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -107,12 +108,14 @@ def check_tiers(spec: JobSpec, index: DatasetIndex) -> None:
 class TieredPipeline:
     """Endless micro-batches of `task`'s model inputs for one rank, starting after `rows_done` rows.
 
+    `skipped`: positions a previous run skipped as corrupt (`state()["skipped"]`): resuming,
+    their rows are not counted as consumed.
     `local_ranks`: ranks sharing this node's tiers; each plans with an equal share of them.
     """
 
     def __init__(self, spec: JobSpec, index: DatasetIndex, *, rank: int, world_size: int,
-                 micro_batch: int, rows_needed: int, rows_done: int = 0, local_ranks: int = 1,
-                 device: Any = None, queue_batches: int = 4, task=None):
+                 micro_batch: int, rows_needed: int, rows_done: int = 0, skipped: Iterable[int] = (),
+                 local_ranks: int = 1, device: Any = None, queue_batches: int = 4, task=None):
         self.index = index
         self.micro = micro_batch
         self.device = device
@@ -126,7 +129,10 @@ class TieredPipeline:
         self.rows = {s["path"]: int(s["rows"]) for s in index.shards}
         self.accesses = self._sequence(world_size, rank, rows_needed)
         self.rows_done = rows_done
-        start, self._skip_rows = self._locate(rows_done)
+        skipped = set(skipped)
+        start, self._skip_rows = self._locate(rows_done, skipped)
+        # skipped before the start: this run never revisits them, so its state() must keep them
+        self._skipped_before = sorted(p for p in skipped if p < start)
         caps = {t.name: t.capacity // max(1, local_ranks) for t in spec.data.tiers}
         self.prefetcher = Prefetcher(self.store, self.accesses, spec.data.prefetch, start=start,
                                      capacities=caps)
@@ -159,7 +165,8 @@ class TieredPipeline:
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint needs to resume with the next unseen sample."""
-        return {"rows_done": self.rows_done, "order": self.order_fingerprint()}
+        skipped = sorted({*self._skipped_before, *self.prefetcher.skipped_positions})
+        return {"rows_done": self.rows_done, "skipped": skipped, "order": self.order_fingerprint()}
 
     def order_fingerprint(self) -> str:
         """Changes with the dataset, the seed or the rank's share: not with the run's length."""
@@ -175,6 +182,8 @@ class TieredPipeline:
 
     def close(self) -> None:
         self._stop.set()
+        # first: a producer waiting on a (slow) transfer is let go, and the copy abandoned
+        self.prefetcher.stop()
         if self._sync is not None:
             self._sync.close()
         while self._thread.is_alive():  # unblock a producer waiting on a full queue
@@ -195,9 +204,12 @@ class TieredPipeline:
         epochs = max(1, -(-(rows_needed + max(self.rows.values())) // max(1, per_epoch)))
         return rank_sequence(names, self.seed, world_size, rank, epochs=epochs)
 
-    def _locate(self, rows_done: int) -> tuple[int, int]:
-        """(position of the shard holding row `rows_done`, rows of it already consumed)."""
+    def _locate(self, rows_done: int, skipped: set[int]) -> tuple[int, int]:
+        """(position of the shard holding row `rows_done`, rows of it already consumed); the
+        positions in `skipped` gave no rows."""
         for a in self.accesses:
+            if a.pos in skipped:
+                continue
             n = self.rows[a.shard]
             if rows_done < n:
                 return a.pos, rows_done

@@ -32,7 +32,8 @@ reader has moved past its position: neither this reader nor another process shar
 evicts it meanwhile. Transient errors (S3
 down, connection reset, timeouts, a corrupt cache copy, which is removed so the next attempt
 reads a slower tier) are retried with exponential backoff; after `retries` the reader gets a
-`ShardUnavailable` naming the shard and the tier when it reaches that position. A shard that is
+`ShardUnavailable` naming the shard and the tier when it reaches that position. A shard another
+reader on the node is already copying is waited for (up to `wait_s`), not retried. A shard that is
 corrupt or missing at the origin raises `ChecksumError` / `ShardMissing`, or, with
 `skip_corrupt=True`, is skipped, counted and reported in `metrics()`.
 
@@ -51,13 +52,16 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from raylib.data.planner import Access, CacheSim, Load, lead_positions, plan_tiers
 from raylib.data.tiers import (
     ChecksumError,
+    CopyCancelled,
+    CopyInProgress,
+    OtherBuildPinned,
     Placement,
     ShardMissing,
     StoreError,
@@ -255,6 +259,8 @@ class Prefetcher:
         while True:
             if self._release_error is not None:
                 raise self._release_error
+            if self._closing.is_set():  # stop(): nothing is issued any more, do not wait for it
+                raise PrefetchClosed("the prefetcher is closing")
             with self._cond:
                 if self._pos >= len(self.accesses):
                     self._last_return = None
@@ -270,6 +276,8 @@ class Prefetcher:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"the load of shard {self.accesses[pos].shard!r} could "
                                            f"not start within {self.config.wait_s}s")
+                    if self._closing.is_set():
+                        raise PrefetchClosed("the prefetcher is closing")
                     self._cond.wait(0.05)
                     self._pump(force=pos)
                 task = self._tasks.pop(pos, None)
@@ -333,20 +341,33 @@ class Prefetcher:
             self._wait_s += self._last_return - entered
             return acc, path
 
-    def close(self) -> None:
-        """Stop transfers, wait for the running ones, release every pin this reader holds."""
-        if self._closed:
-            return
-        self._closed = True
+    def stop(self) -> None:
+        """Begin closing without waiting (safe from any thread): no new transfer starts, running
+        copies are abandoned at their next chunk, and a reader waiting in `next()` gets
+        PrefetchClosed. `close()` still has to be called, once the reader is out of `next()`."""
         self._closing.set()
         with self._cond:
             self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop transfers (running copies are abandoned at their next chunk) and wait for them to
+        end, release every pin this reader holds."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._release_held()
         self._releaser.shutdown(wait=True)
         with self._cond:
             pins = [p for pos in list(self._pins) for p in self._pins.pop(pos)]
         self.store.unpin_many(pins)
+
+    @property
+    def skipped_positions(self) -> list[int]:
+        """Positions skipped so far (skip_corrupt): they gave the reader no rows."""
+        with self._cond:
+            return [int(s["pos"]) for s in self._skipped]
 
     @property
     def served_from(self) -> dict[str, int]:
@@ -525,12 +546,16 @@ class Prefetcher:
     def _transfer(self, acc: Access, tier: str, ld: Load) -> Placement:
         cfg = self.config
         attempt = 0
-        deadline = time.monotonic() + cfg.wait_s
+        started = time.monotonic()
+        deadline = started + cfg.wait_s
         while True:
             if self._closing.is_set():
                 raise PrefetchClosed(f"closed before shard {acc.shard!r} was loaded")
             try:
-                return self.store.promote(ld.shard, tier, evict=ld.evict, pin=tier == self._hot, wait_s=1.0,
+                # waits in slices of at most a second (the plan's victims change as the reader moves)
+                slice_s = min(1.0, max(deadline - time.monotonic(), 0.01))
+                return self.store.promote(ld.shard, tier, evict=ld.evict, pin=tier == self._hot,
+                                          wait_s=slice_s, cancel=self._closing,
                                           order=lambda cands, p=acc.pos: self._evictable(cands, p))
             except TierFull:
                 if time.monotonic() > deadline:
@@ -538,6 +563,19 @@ class Prefetcher:
                 with self._cond:  # the reader moving on (or another transfer ending) frees room
                     self._cond.wait(0.2)
                 continue
+            except CopyInProgress as e:
+                # another reader on the node (a tp peer, a duplicate) is copying this very shard:
+                # a slow source, not a failure. promote() waited its slice; wait on, no retry spent
+                if time.monotonic() >= deadline:
+                    exc = CopyInProgress(ld.shard, tier, e.pid, time.monotonic() - started)
+                    self._event("error", acc, str(exc))
+                    raise exc from e
+                continue
+            except CopyCancelled as e:
+                raise PrefetchClosed(f"closed before shard {acc.shard!r} was loaded") from e
+            except OtherBuildPinned as e:  # waiting or retrying cannot help: say so now
+                self._event("error", acc, str(e))
+                raise
             except ChecksumError as e:
                 if e.tier == self.store.origin:
                     self._event("error", acc, str(e))
@@ -553,7 +591,7 @@ class Prefetcher:
                     exc = ShardUnavailable(ld.shard, source, attempt + 1, err, self._url(source, ld.shard))
                     self._event("error", acc, str(exc))
                     raise exc from e
-            except TimeoutError as e:  # another process's copy of the same shard is stuck
+            except TimeoutError as e:  # a tier's lock not acquired in time
                 err, source = e, tier
             attempt += 1
             if attempt > cfg.retries:
@@ -587,11 +625,18 @@ class Prefetcher:
         return sorted(ok, key=lambda s: (-after(s), s))
 
     def _await(self, task: _Task) -> Placement | None:
-        assert task.future is not None
-        done, _ = wait([task.future], timeout=self.config.wait_s)
-        if not done:  # (the task's own exceptions may be TimeoutErrors too: tell them apart)
-            raise TimeoutError(f"shard {self.accesses[task.pos].shard!r} did not arrive within "
-                               f"{self.config.wait_s}s")
+        future = task.future
+        assert future is not None
+        deadline = time.monotonic() + self.config.wait_s
+        with self._cond:  # _run's end and stop() notify
+            while not future.done() and task.done_at is None:
+                if self._closing.is_set():
+                    raise PrefetchClosed("the prefetcher was closed")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:  # (the task's own exceptions may be TimeoutErrors too: tell them apart)
+                    raise TimeoutError(f"shard {self.accesses[task.pos].shard!r} did not arrive within "
+                                       f"{self.config.wait_s}s")
+                self._cond.wait(remaining)
         try:
             return task.future.result()
         except CancelledError:

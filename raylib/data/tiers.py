@@ -108,6 +108,35 @@ class TierFull(StoreError):
         )
 
 
+class CopyInProgress(StoreError, TimeoutError):
+    """Another thread or process (`pid`) is copying `shard` into `tier` and did not finish within
+    the `waited` seconds. A wait, not a failure: worth waiting longer, not retrying."""
+
+    def __init__(self, shard: str, tier: str, pid: int, waited: float):
+        self.shard, self.tier, self.pid, self.waited = shard, tier, pid, waited
+        super().__init__(
+            f"shard {shard!r} is still being copied into tier {tier!r} by process {pid} after "
+            f"{waited:.1f}s of waiting for it; if that copy is only slow, wait longer "
+            "(data.prefetch.wait_s, TieredStore lock_timeout)")
+
+
+class OtherBuildPinned(StoreError):
+    """Cache tier `tier` holds a ready copy of another build of `shard` (same name, other
+    sha256) that a reader of that build has pinned, so this build's copy cannot go there."""
+
+    def __init__(self, shard: str, tier: str, path: str, theirs: str, ours: str, pids: list[str]):
+        self.shard, self.tier, self.pids = shard, tier, pids
+        super().__init__(
+            f"tier {tier!r} ({path}) holds a different build of shard {shard!r} (sha256 "
+            f"{theirs[:12]}..., this dataset's is {ours[:12]}...) pinned by process(es) "
+            f"{', '.join(pids)}: stop the readers of the old build, or give each build its own "
+            "tier directory")
+
+
+class CopyCancelled(StoreError):
+    """A copy was abandoned because its caller asked to stop (`promote(cancel=...)`)."""
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     """What index.json says about one shard."""
@@ -381,19 +410,25 @@ class TieredStore:
 
     def promote(self, name: str, to: str, *, evict: Sequence[str] = (),
                 order: Callable[[list[str]], Sequence[str]] | None = None, pin: bool = False,
-                wait_s: float | None = None) -> Placement:
+                wait_s: float | None = None, cancel: threading.Event | None = None) -> Placement:
         """Copy `name` into cache tier `to` from the fastest other tier holding it.
 
         Room is made first: the shards in `evict` (those still there and not pinned), then the
         candidates `order` returns, in that order (default: least recently used first; `order`
         may leave out shards that must stay). Waits up to `wait_s` (default lock_timeout) for
-        room or for another process already copying the same shard, then raises TierFull.
+        room, then raises TierFull, or for another process already copying the same shard, then
+        raises CopyInProgress. A pinned copy of another build of the shard there raises
+        OtherBuildPinned at once. Once `cancel` is set, the wait or the copy (between chunks)
+        is abandoned with CopyCancelled, leaving nothing behind.
         """
         info = self._info(name)
         t = self._cache(to)
-        deadline = time.monotonic() + (self.lock_timeout if wait_s is None else wait_s)
+        started = time.monotonic()
+        deadline = started + (self.lock_timeout if wait_s is None else wait_s)
         delay = 0.002
         while True:
+            if cancel is not None and cancel.is_set():
+                raise CopyCancelled(f"the copy of shard {name!r} into tier {t.name!r} was cancelled")
             with self._locked(t) as led:
                 e = led.get(name)
                 if self._ready(name, e) and not os.path.exists(t.path(name)):
@@ -419,17 +454,21 @@ class TieredStore:
                     used = sum(x["bytes"] for x in led.values())
                     stuck = sum(x["bytes"] for x in led.values() if x["state"] != "ready" or x["pins"])
                     full = TierFull(name, t.name, info.bytes, used, t.spec.capacity, stuck)
+                elif e["state"] == "ready":  # another build's (_reclaim left it: it is pinned)
+                    raise OtherBuildPinned(name, t.name, t.path(name), e["sha256"], info.sha256,
+                                           sorted(e["pins"]))
                 else:  # being written by another thread or process
-                    full = None
-                    if e["pid"] == os.getpid():
+                    full, writer = None, e["pid"]
+                    if writer == os.getpid():
                         with self._events_lock:
                             event = self._events.get((t.name, name))
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 if full is not None:
                     raise full
-                raise TimeoutError(f"shard {name!r} is being copied into tier {t.name!r} by another "
-                                   f"process for more than {self.lock_timeout}s")
+                raise CopyInProgress(name, t.name, writer, time.monotonic() - started)
+            if cancel is not None:  # wake up in time to see it
+                remaining = min(remaining, 0.05)
             if event is not None:
                 event.wait(remaining)
             else:  # another process: poll its progress through the ledger
@@ -437,7 +476,7 @@ class TieredStore:
                 delay = min(delay * 2, 0.05)
 
         try:
-            source, seconds = self._copy_in(name, info, t, tmp)
+            source, seconds = self._copy_in(name, info, t, tmp, cancel)
         except BaseException:
             with self._locked(t) as led:
                 if led.get(name, {}).get("tmp") == tmp:
@@ -644,15 +683,19 @@ class TieredStore:
         if ev is not None:
             ev.set()
 
-    def _copy_in(self, name: str, info: ShardInfo, t: _Tier, tmp: str) -> tuple[str, float]:
-        """Copy from the fastest other tier holding `name` into `tmp`, verifying it.
-        Returns (source tier, seconds)."""
+    def _copy_in(self, name: str, info: ShardInfo, t: _Tier, tmp: str,
+                 cancel: threading.Event | None = None) -> tuple[str, float]:
+        """Copy from the fastest other tier holding `name` into `tmp`, verifying it; abandoned
+        between chunks once `cancel` is set. Returns (source tier, seconds)."""
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
         src, f = self._open_source(name, exclude=t)
         start = time.monotonic()
         try:
             with f, open(tmp, "wb") as out:
-                n, digest = hashed_copy(f, out.write, limit=info.bytes)  # never past the reservation
+                write = out.write if cancel is None else _cancellable(out.write, cancel, name, t.name)
+                n, digest = hashed_copy(f, write, limit=info.bytes)  # never past the reservation
+        except CopyCancelled:
+            raise
         except FileNotFoundError as e:
             if src.origin:
                 raise ShardMissing(name, src.name, src.url(name)) from e
@@ -695,6 +738,16 @@ class TieredStore:
             raise ShardMissing(name, origin.name, origin.url(name)) from e
         except Exception as e:
             raise TransferError(name, origin.name, exclude.name, e) from e
+
+
+def _cancellable(write: Callable[[Any], Any], cancel: threading.Event, name: str,
+                 tier: str) -> Callable[[Any], Any]:
+    """`write`, raising CopyCancelled once `cancel` is set: checked once per chunk."""
+    def checked(chunk):
+        if cancel.is_set():
+            raise CopyCancelled(f"the copy of shard {name!r} into tier {tier!r} was cancelled")
+        return write(chunk)
+    return checked
 
 
 def _pin(e: dict) -> None:

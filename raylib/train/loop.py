@@ -322,6 +322,7 @@ def _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start
         spec, index, task=task, rank=layout.dp_rank,
         world_size=layout.dp, micro_batch=micro,
         rows_needed=spec.run.steps * rows_per_step, rows_done=start * rows_per_step,
+        skipped=() if resized else state.get("data", {}).get("skipped", ()),  # resized: dealt anew
         local_ranks=max(1, ctx.get_local_world_size() // layout.tp), device=device,
         queue_batches=spec.data.prefetch_batches)
     saved = state.get("data", {}).get("order")

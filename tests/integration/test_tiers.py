@@ -228,7 +228,7 @@ def _die_mid_write(tiers, shards, name):
     """Child process: start copying `name` into hot, write half of it, then get SIGKILLed."""
     store = TieredStore(tiers, shards)
 
-    def half_then_die(self, name, info, t, tmp):
+    def half_then_die(self, name, info, t, tmp, cancel=None):
         with open(tmp, "wb") as f:
             f.write(b"\0" * (info.bytes // 2))
             f.flush()

@@ -1,0 +1,235 @@
+"""Tiered cache races: two readers on one shard, an old build's pinned copy, resume after a
+skipped shard, close during a slow transfer.
+
+Real parts: local directories as the tiers (the last one the origin), the real store, prefetcher
+and pipeline threads. The slow copies are stand-ins whose progress the tests drive with events.
+No Ray.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import threading
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import raylib.data.tiers as tiers
+from raylib.data.build import DatasetIndex
+from raylib.data.pipeline import TieredPipeline
+from raylib.data.planner import rank_sequence
+from raylib.data.prefetch import Prefetcher
+from raylib.data.tiers import CopyInProgress, OtherBuildPinned, ShardInfo, TieredStore
+from raylib.spec import JobSpec
+
+pytestmark = pytest.mark.unit
+
+WAIT = 30  # a safety net for a hung test, never reached when the code is right
+
+
+def _origin(tmp_path, content: bytes) -> tuple[list[dict], dict[str, ShardInfo]]:
+    cold = tmp_path / "cold"
+    cold.mkdir(exist_ok=True)
+    (cold / "s0.bin").write_bytes(content)
+    tier_list = [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": 1 << 20},
+                 {"name": "cold", "url": str(cold)}]
+    return tier_list, {"s0.bin": ShardInfo("s0.bin", len(content), hashlib.sha256(content).hexdigest())}
+
+
+def _copy_held_open(store: TieredStore) -> tuple[threading.Event, threading.Event]:
+    """Make `store`'s copies start, then wait until the returned `release` is set."""
+    started, release = threading.Event(), threading.Event()
+    copy_in = store._copy_in
+
+    def held(*args, **kwargs):
+        started.set()
+        assert release.wait(WAIT)
+        return copy_in(*args, **kwargs)
+
+    store._copy_in = held
+    return started, release
+
+
+def test_a_reader_waits_out_a_peers_slow_copy_of_the_same_shard_without_spending_retries(tmp_path):
+    """Two readers of one node on one shard (tp peers): the second waits for the first's copy,
+    however slow, rather than failing after its retries with a misleading ShardUnavailable."""
+    tier_list, shards = _origin(tmp_path, os.urandom(4096))
+    peer = TieredStore(tier_list, shards)
+    started, release = _copy_held_open(peer)
+    copier = threading.Thread(target=peer.promote, args=("s0.bin", "hot"))
+    copier.start()
+    assert started.wait(WAIT)
+    me = TieredStore(tier_list, shards)
+    # the peer's copy ends only once this reader has waited out a promote() slice
+    waited = threading.Event()
+    promote = me.promote
+
+    def observed(*args, **kwargs):
+        try:
+            return promote(*args, **kwargs)
+        except TimeoutError:
+            waited.set()
+            raise
+
+    me.promote = observed
+    events: list[str] = []
+    served: list[str] = []
+
+    def read() -> None:
+        config = {"retries": 0, "wait_s": WAIT}
+        with Prefetcher(me, ["s0.bin"], config, on_event=lambda kind, info: events.append(kind)) as pf:
+            served.extend(path for _, path in pf)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert waited.wait(WAIT)
+    release.set()
+    reader.join(WAIT)
+    copier.join(WAIT)
+    assert served == [me.path("s0.bin", "hot")] and events == []
+    assert me.stats()["transfers"] == {}, "the peer's copy was used, not a second one"
+
+
+def test_a_wait_for_a_peers_copy_that_runs_out_says_how_long_it_waited(tmp_path):
+    tier_list, shards = _origin(tmp_path, os.urandom(4096))
+    peer = TieredStore(tier_list, shards)
+    started, release = _copy_held_open(peer)
+    copier = threading.Thread(target=peer.promote, args=("s0.bin", "hot"))
+    copier.start()
+    try:
+        assert started.wait(WAIT)
+        me = TieredStore(tier_list, shards)  # lock_timeout 120s: not what it waited
+        with pytest.raises(CopyInProgress, match=r"being copied into tier 'hot' by process \d+ "
+                                                 r"after 0\.\ds of waiting") as err:
+            me.promote("s0.bin", "hot", wait_s=0.1)
+        assert isinstance(err.value, TimeoutError) and err.value.waited >= 0.1
+        events: list[tuple[str, str]] = []
+        failed = threading.Event()
+
+        def on_event(kind: str, info: dict) -> None:
+            events.append((kind, info["message"]))
+            failed.set()
+
+        with Prefetcher(me, ["s0.bin"], {"wait_s": 0.5}, on_event=on_event):
+            assert failed.wait(WAIT)  # the load gives up (the reader is not there yet)
+        ((kind, message),) = events  # no retries
+        assert kind == "error" and "credentials" not in message
+        said = re.fullmatch(r"shard 's0.bin' is still being copied into tier 'hot' by process \d+ after "
+                            r"(\d+\.\d)s of waiting for it; .*wait longer.*", message)
+        assert said and float(said[1]) >= 0.5, message
+    finally:
+        release.set()
+        copier.join(WAIT)
+
+
+def test_a_pinned_copy_of_another_build_fails_at_once_naming_it(tmp_path):
+    tier_list, old_shards = _origin(tmp_path, b"old" * 1000)
+    old = TieredStore(tier_list, old_shards)
+    old.acquire("s0.bin")  # a reader of the old build is on it
+    tier_list, new_shards = _origin(tmp_path, b"new" * 1000)  # the dataset rebuilt in place
+    new = TieredStore(tier_list, new_shards, lock_timeout=2)
+    with pytest.raises(OtherBuildPinned, match=rf"holds a different build of shard 's0.bin' .*"
+                                               rf"pinned by process\(es\) {os.getpid()}: stop the readers"):
+        new.open("s0.bin")
+    events: list[str] = []
+    with Prefetcher(new, ["s0.bin"], on_event=lambda kind, info: events.append(kind)) as pf:
+        with pytest.raises(OtherBuildPinned):
+            pf.next()
+    assert events == ["error"], "no retries: waiting cannot help"
+    old.unpin("s0.bin", "hot")  # once the old reader is gone, the new build goes in
+    assert hashlib.sha256(open(new.open("s0.bin"), "rb").read()).hexdigest() == new_shards["s0.bin"].sha256
+
+
+class _Ids:
+    columns = ["input_ids"]
+
+    def prepare(self, batch):
+        return batch
+
+
+def _parquet_dataset(root, shards: int, rows: int) -> DatasetIndex:
+    os.makedirs(f"{root}/ds")
+    meta = []
+    for i in range(shards):
+        buf = io.BytesIO()
+        pq.write_table(pa.table({"input_ids": [[i * 100 + r] for r in range(rows)]}), buf)
+        b = buf.getvalue()
+        with open(f"{root}/ds/s{i}.parquet", "wb") as f:
+            f.write(b)
+        meta.append({"path": f"s{i}.parquet", "bytes": len(b), "sha256": hashlib.sha256(b).hexdigest(),
+                     "rows": rows})
+    return DatasetIndex(url=f"{root}/ds", seq_len=1, vocab_size=1000,
+                        special_ids={"pad": 0, "sep": 1}, shards=meta)
+
+
+def _tiered_spec(tmp_path, **prefetch) -> JobSpec:
+    return JobSpec.from_dict({"data": {
+        "path": str(tmp_path / "ds"), "manifest": None, "prefetch": prefetch,
+        "tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": "1MB"}]}})
+
+
+def test_resume_after_a_skipped_corrupt_shard_continues_with_the_next_unseen_row(tmp_path):
+    index = _parquet_dataset(tmp_path, shards=4, rows=10)
+    order = [a.shard for a in rank_sequence([s["path"] for s in index.shards], 0, 1, 0, epochs=1)]
+    bad = tmp_path / "ds" / order[1]  # the epoch's 2nd shard is corrupt at the origin
+    b = bytearray(bad.read_bytes())
+    b[-20] ^= 0xFF
+    bad.write_bytes(bytes(b))
+    spec = _tiered_spec(tmp_path, skip_corrupt=True)
+
+    def pipe(rows_done: int, skipped=()) -> TieredPipeline:
+        return TieredPipeline(spec, index, rank=0, world_size=1, micro_batch=4, rows_needed=40,
+                              rows_done=rows_done, skipped=skipped, queue_batches=0, task=_Ids())
+
+    def take(p: TieredPipeline, steps: int) -> list[int]:
+        return [int(x) for _ in range(steps) for x in next(p)["input_ids"].ravel()]
+
+    run = pipe(0)
+    take(run, 6)
+    saved = run.state()  # the checkpoint at step 6
+    after = take(run, 4)
+    run.close()
+    assert saved["skipped"] == [1]
+
+    resumed = pipe(6 * 4, saved["skipped"])
+    assert take(resumed, 2) == after[:8]
+    again = resumed.state()  # the skip lies before where this run started: still recorded
+    resumed.close()
+    assert again["skipped"] == [1]
+    twice = pipe(8 * 4, again["skipped"])
+    assert take(twice, 2) == after[8:]
+    twice.close()
+
+
+def test_close_abandons_a_slow_transfer_between_chunks(tmp_path, monkeypatch):
+    index = _parquet_dataset(tmp_path, shards=4, rows=8)
+    chunks, started = [], threading.Event()
+    fast, tick = tiers.hashed_copy, threading.Event()
+
+    def slow_source(src, write, limit=None):
+        """The first shard at once, then a source that gives 200 chunks, 10 ms each."""
+        if not chunks:
+            chunks.append("first")
+            return fast(src, write, limit=limit)
+        started.set()
+        for _ in range(200):
+            tick.wait(0.01)  # the source's pace (nothing sets tick)
+            write(b"x")
+            chunks.append("x")
+        return 200, "0" * 64
+
+    monkeypatch.setattr(tiers, "hashed_copy", slow_source)
+    p = TieredPipeline(_tiered_spec(tmp_path, concurrency=1), index, rank=0, world_size=1,
+                       micro_batch=8, rows_needed=16, task=_Ids())
+    next(p)
+    assert started.wait(WAIT)
+    p.close()
+    assert not p._thread.is_alive()
+    assert chunks.count("x") < 200, "close() waited for the whole transfer"
+    hot = os.path.dirname(p.store.path(index.shards[0]["path"], "hot"))
+    leftovers = [f for _, _, fs in os.walk(hot) for f in fs if ".partial-" in f]
+    assert leftovers == [] and p.store.used("hot") == sum(p.store.resident("hot").values())

@@ -111,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"raylib: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a run that failed or stopped: its message says why and how to resume
+        from raylib.train.trainer import HealthStopped, RunFailed
+
+        if not isinstance(e, (RunFailed, HealthStopped)):
+            raise
+        print(f"raylib: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _run(args) -> int:

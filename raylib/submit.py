@@ -416,7 +416,7 @@ def job_error(logs: str, message: str | None) -> str:
             picked = [line]
             picked += [x for x in lines[i + 1:i + 40] if x.startswith("  ")]
     if not picked:
-        tb = [x for x in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", x)]
+        tb = [x for x in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Failed|Stopped)\b", x)]
         picked = tb[-1:]
     if message:  # Ray's first line (the rest repeats the end of the logs)
         picked.append(message.strip().splitlines()[0])

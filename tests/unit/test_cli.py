@@ -225,3 +225,24 @@ def test_task_jobs_forward_to_the_cli(job, default, monkeypatch):
 def test_embedded_s3_refuses_a_remote_cluster_before_starting_anything(capsys):
     assert cli.main(["run", "jobs/configs/demo.yaml", "--embedded-s3", "--address", "ray://h:10001"]) == 2
     assert "--embedded-s3 serves S3 on this machine's loopback" in capsys.readouterr().err
+
+
+def test_a_failed_run_ends_in_one_error_line_that_submit_picks_up(monkeypatch, capsys):
+    """RunFailed says how often the run failed and where it resumes: one line on stderr, exit 1,
+    not a chained traceback; `raylib submit` shows that line from the job's logs."""
+    from raylib.submit import job_error
+    from raylib.train.trainer import RunFailed
+
+    message = "run 'tiny' failed after 1 worker-group failure(s); The last good checkpoint is step 2"
+
+    def failing(args):
+        raise RunFailed(message)
+
+    monkeypatch.setattr(cli, "_run", failing)
+    assert cli.main(["run", str(REPO / "jobs" / "configs" / "tiny.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"raylib: error: {message}\n"
+    assert job_error(err, None) == f"raylib: error: {message}"
+    # a job that died with the traceback (another entrypoint): the run's own line, not an inner one
+    logs = f"Traceback ...\nValueError: loss is nan at step 3\n\nraylib.train.trainer.RunFailed: {message}\n"
+    assert job_error(logs, None) == f"raylib.train.trainer.RunFailed: {message}"

@@ -244,9 +244,11 @@ def main() -> str:
             endpoint_override=s3.endpoint, region="us-east-1")
         local, s3_storage = (tmp, None), ("bench/ray-train", arrow_s3)
         disk_dir = os.path.join(tmp, "disk")
-        spec = spec_for(args, tmp, "bench-memory-disk", "s3://bench/raylib", s3.storage_options())
+        # the endpoint only: a job spec takes no credentials (the workers get AWS_* from this process)
+        options = {k: v for k, v in s3.storage_options().items() if k not in ("key", "secret")}
+        spec = spec_for(args, tmp, "bench-memory-disk", "s3://bench/raylib", options)
         saved = fit(args, spec, local, disk_dir, methods=METHODS[:3], rounds=args.rounds + 1)
-        spec = spec_for(args, tmp, "bench-async-s3", "s3://bench/raylib", s3.storage_options())
+        spec = spec_for(args, tmp, "bench-async-s3", "s3://bench/raylib", options)
         saved.update(fit(args, spec, s3_storage, disk_dir, methods=METHODS[3:], rounds=args.rounds + 1))
         resumed = fit(args, spec, s3_storage, disk_dir, methods=None, pointer=saved["pointer"])
 

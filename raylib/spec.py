@@ -121,6 +121,24 @@ def _check_protocol(url: str, proto: str) -> None:
                          f"{str(e).splitlines()[0]}") from None
 
 
+# option names that hold credentials (index.json redacts them under a manifest's storage_options)
+SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")
+
+
+def no_credentials(options: dict[str, Any], path: str = "") -> dict[str, Any]:
+    """`options` unless a key (at any depth) looks like a credential: a job spec is printed by
+    --dry-run, saved in the run directory and sent with `raylib submit`, so credentials come from
+    the environment instead."""
+    for k, v in options.items():
+        if isinstance(v, dict):
+            no_credentials(v, f"{path}{k}.")
+        elif any(w in str(k).lower() for w in SECRET_WORDS):
+            raise ValueError(f"{path}{k}: credentials are not taken from a job spec (it is printed, saved "
+                             "in the run directory and submitted with the job); set them in the environment "
+                             "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY; raylib submit --env NAME)")
+    return options
+
+
 class SpecError(ValueError):
     """A job spec that cannot run as written. The message names the key and the fix."""
 
@@ -294,6 +312,11 @@ class TierSpec(_Section):
     def _bandwidth(cls, v: Any) -> Any:
         return _size_field(v, "bandwidth")
 
+    @field_validator("storage_options")
+    @classmethod
+    def _no_credentials(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return no_credentials(v)
+
 
 class PrefetchSpec(_Section):
     """How a rank's prefetcher moves shards towards the hot tier. Every field has a working default."""
@@ -352,6 +375,11 @@ class DataSpec(_Section):
     @classmethod
     def _resolved(cls, v: str | None) -> str | None:
         return None if v is None else resolve_local(v)
+
+    @field_validator("storage_options")
+    @classmethod
+    def _no_credentials(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return no_credentials(v)
 
     @model_validator(mode="after")
     def _reader_tiers(self) -> DataSpec:
@@ -653,6 +681,11 @@ class CheckpointSpec(_Section):
     @classmethod
     def _resolved(cls, v: str | None) -> str | None:
         return None if v is None else resolve_local(v)
+
+    @field_validator("storage_options")
+    @classmethod
+    def _no_credentials(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return no_credentials(v)
 
     @model_validator(mode="after")
     def _memory_fields_need_in_memory(self) -> CheckpointSpec:
@@ -1060,7 +1093,8 @@ def _explain(e: ValidationError, source: str) -> str:
             lines.append(f"  - {loc}: unknown key; allowed here: {', '.join(allowed)}")
         else:
             msg = err["msg"].removeprefix("Value error, ")
-            got = f" (got {err.get('input')!r})" if err["loc"] else ""  # not the whole spec
+            # not the whole spec, nor storage options (credentials: no_credentials refuses them)
+            got = f" (got {err.get('input')!r})" if err["loc"] and "storage_options" not in err["loc"] else ""
             lines.append(f"  - {loc}: {msg}{got}")
     return "\n".join(lines)
 

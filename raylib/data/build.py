@@ -75,7 +75,7 @@ from raylib.data.finance import (
 )
 from raylib.data.text import FORMATS, Document, TextSource, read_documents, resolve_files
 from raylib.fileio import load_yaml_mapping
-from raylib.spec import parse_size
+from raylib.spec import SECRET_WORDS, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -988,7 +988,6 @@ def build(
     return read_index(out_url)
 
 
-SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")
 STAGE = ".building"  # where a build writes until it is whole
 
 

@@ -601,4 +601,19 @@ def test_a_url_whose_filesystem_cannot_load_here_is_refused_before_ray():
         with pytest.raises(SpecError, match=rf"{section}\.{key}: 'gcs://b/x': protocol 'gcs' needs a package "
                                             "that is not installed here: Please install gcsfs"):
             JobSpec.from_dict({section: {key: "gcs://b/x"}})
-        assert getattr(JobSpec.from_dict({section: {key: "s3://b/x"}}), section).model_dump()[key] == "s3://b/x"
+        parsed = JobSpec.from_dict({section: {key: "s3://b/x"}})
+        assert getattr(parsed, section).model_dump()[key] == "s3://b/x"
+
+
+def test_credentials_in_storage_options_are_refused_and_never_echoed():
+    """A job spec is printed (--dry-run), saved (spec.yaml) and submitted: credentials come from
+    the environment."""
+    for section in ({"data": {"storage_options": {"key": "AKIAEXAMPLE", "secret": "TOPSECRET123"}}},
+                    {"checkpoint": {"storage_options": {"client_kwargs": {"session_token": "TOPSECRET1"}}}},
+                    {"data": {"tiers": [{"name": "hot", "url": "/tmp/t", "capacity": "1MB",
+                                         "storage_options": {"password": "TOPSECRET123"}}]}}):
+        with pytest.raises(SpecError, match="credentials are not taken from a job spec") as info:
+            JobSpec.from_dict(section)
+        assert "TOPSECRET1" not in str(info.value)
+    endpoint = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:8333"}}
+    assert JobSpec.from_dict({"data": {"storage_options": endpoint}}).data.storage_options == endpoint

@@ -312,11 +312,6 @@ class TierSpec(_Section):
     def _bandwidth(cls, v: Any) -> Any:
         return _size_field(v, "bandwidth")
 
-    @field_validator("storage_options")
-    @classmethod
-    def _no_credentials(cls, v: dict[str, Any]) -> dict[str, Any]:
-        return no_credentials(v)
-
 
 class PrefetchSpec(_Section):
     """How a rank's prefetcher moves shards towards the hot tier. Every field has a working default."""
@@ -1093,8 +1088,11 @@ def _explain(e: ValidationError, source: str) -> str:
             lines.append(f"  - {loc}: unknown key; allowed here: {', '.join(allowed)}")
         else:
             msg = err["msg"].removeprefix("Value error, ")
-            # not the whole spec, nor storage options (credentials: no_credentials refuses them)
-            got = f" (got {err.get('input')!r})" if err["loc"] and "storage_options" not in err["loc"] else ""
+            # not the whole spec, nor anything holding storage options (a credential there is refused
+            # by no_credentials, and must not be echoed by this message either)
+            echo = err["loc"] and "storage_options" not in err["loc"] \
+                and "storage_options" not in repr(err.get("input"))
+            got = f" (got {err.get('input')!r})" if echo else ""
             lines.append(f"  - {loc}: {msg}{got}")
     return "\n".join(lines)
 

@@ -188,6 +188,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
                 loop_start += time.perf_counter() - te  # evaluation is not training time
             logged = done % spec.run.log_every == 0
             report_due = evaluated = bool(evals) and evals[-1]["step"] == done
+            if logged or evaluated or done == spec.run.steps:  # what the bar and Ray Train show:
+                metrics["loss"] = _mean_over_ranks(losses[-1], engine.device)  # as summary.json's curve
             # a preempted job (or one a health rule isolated or stopped) checkpoints here and stops;
             # the driver waits for its gang again (or reports the rule)
             if logged and done < spec.run.steps:
@@ -307,6 +309,15 @@ def _peak_memory(on_gpu: bool) -> int:
     if on_gpu:
         return int(torch.cuda.max_memory_allocated())
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _mean_over_ranks(value: float, device) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
 
 
 def _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start, state, device,

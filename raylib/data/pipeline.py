@@ -52,11 +52,16 @@ def dataset_fingerprint(index: DatasetIndex) -> str:
 
 
 def tiered_store(spec: JobSpec, index: DatasetIndex) -> TieredStore:
-    """The node's tiers from `data.tiers`, with `data.path` as the cold (origin) tier."""
-    fp = dataset_fingerprint(index)
-    tiers = [t.model_copy(update={"url": os.path.join(t.url, fp)}) for t in spec.data.tiers]
-    tiers.append(TierSpec(name="cold", url=spec.data.path, storage_options=spec.data.storage_options))
-    return TieredStore(tiers, shards_from_index(index))
+    """The node's tiers from `data.tiers`, with `data.path` as the cold (origin) tier.
+
+    Each build's copies go in `<tier url>/<fingerprint>/` (datasets and rebuilds whose shards
+    have the same names stay apart), under the tier directory's one ledger: its capacity bounds
+    every build there together, and copies of other builds that no reader pins are evicted first.
+    (Not a ledger per build directory with stale ones deleted: the capacity would then have to be
+    split between ledgers of builds still in use, and deleting a directory races its readers.)"""
+    tiers = [*spec.data.tiers, TierSpec(name="cold", url=spec.data.path,
+                                        storage_options=spec.data.storage_options)]
+    return TieredStore(tiers, shards_from_index(index), build=dataset_fingerprint(index))
 
 
 IMPLICIT_TIER_SHARDS = 8  # shards per rank the implicit cache tier holds at least: the prefetch window

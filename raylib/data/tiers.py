@@ -7,16 +7,21 @@ built dataset; it is only ever read.
 
 Layout of a cache tier directory D:
 
-    D/<shard path>                            ready copies, verified against index.json's sha256
-    D/<shard path>.partial-<pid>-<hex>        a copy being written; renamed into place when whole
-    D/.raylib-tier/ledger.json                {shard: {bytes, sha256, state, pid, last_use, pins}}
+    D/[<build>/]<shard path>                  ready copies, verified against index.json's sha256
+    D/[<build>/]<shard path>.partial-<pid>-<hex>  a copy being written; renamed into place when whole
+    D/.raylib-tier/ledger.json                {[<build>/]shard: {bytes, sha256, state, pid, last_use,
+                                              pins}}: every build's copies in D
     D/.raylib-tier/lock                       flock(2)ed for every change to D
+
+`<build>` (TieredStore's `build`, e.g. the dataset's fingerprint) keeps datasets and rebuilds whose
+shards have the same names apart; they share D's one ledger, so the capacity covers all of them.
 
 Rules that hold across processes and threads:
 
 * Capacity: the ledger counts ready copies and copies being written; space is reserved (evicting
   first) before a byte is written, so the bytes in D never exceed the capacity. A shard larger
-  than a tier is refused when the store is built.
+  than a tier is refused when the store is built. Unpinned copies of other builds or datasets in
+  D are evicted first.
 * Atomicity: a copy is written to a temporary name in the same directory and renamed into place
   only after its size and sha256 match index.json; a reader only ever gets the path of a ready
   copy, so nothing half-written or corrupt is served. A mismatch removes the copy (and a corrupt
@@ -61,6 +66,19 @@ LOCK = "lock"
 
 class StoreError(Exception):
     """Base of the tiered store's errors."""
+
+    def __reduce__(self):
+        # Ray hands a worker's error to the driver pickled; the default rebuilds it by calling
+        # __init__ with the message alone, which the subclasses' fields make a TypeError that
+        # replaces the error. Rebuilt from its message and fields instead.
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
+
+def _rebuilt(cls: type[StoreError], args: tuple, fields: dict) -> StoreError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(fields)
+    return error
 
 
 class ShardCorrupt(StoreError, ChecksumError):
@@ -231,8 +249,9 @@ os.register_at_fork(after_in_child=_TierLock._after_fork)
 
 
 class _Tier:
-    def __init__(self, index: int, spec: TierSpec, origin: bool):
+    def __init__(self, index: int, spec: TierSpec, origin: bool, build: str = ""):
         self.index, self.spec, self.name, self.origin = index, spec, spec.name, origin
+        self.prefix = f"{build}/" if build and not origin else ""
         self.fs, root = fsspec.core.url_to_fs(spec.url, **spec.storage_options)
         self.root = root.rstrip("/") or "/"
         if not origin:
@@ -242,8 +261,15 @@ class _Tier:
             self.ledger_path = os.path.join(self.meta, LEDGER)
             self.lock = _TierLock(os.path.join(self.meta, LOCK))
 
+    def key(self, shard: str) -> str:
+        """The shard's key in the ledger: its path under the tier directory."""
+        return self.prefix + shard
+
     def path(self, shard: str) -> str:
-        return os.path.join(self.root, shard) if not self.origin else f"{self.root.rstrip('/')}/{shard}"
+        return self.file(self.key(shard)) if not self.origin else f"{self.root.rstrip('/')}/{shard}"
+
+    def file(self, key: str) -> str:
+        return os.path.join(self.root, key)
 
     def url(self, shard: str) -> str:
         """The shard's location as configured (protocol included), for messages."""
@@ -276,19 +302,24 @@ class TieredStore:
     `shards`: {name: ShardInfo} (e.g. `shards_from_index(read_index(url))`) or ShardInfos.
     `lock_timeout`: seconds a call waits for a tier lock, for room in a tier, or for another
     process's copy of the same shard, before raising.
+    `build`: a subdirectory of each cache tier for this store's copies (`pipeline.tiered_store`
+    passes the dataset's fingerprint); the tier's ledger, lock and capacity stay shared.
     """
 
     def __init__(self, tiers: Sequence[TierSpec | Mapping[str, Any]],
-                 shards: Mapping[str, ShardInfo] | Iterable[ShardInfo], *, lock_timeout: float = 120.0):
+                 shards: Mapping[str, ShardInfo] | Iterable[ShardInfo], *, lock_timeout: float = 120.0,
+                 build: str = ""):
         specs = [t if isinstance(t, TierSpec) else TierSpec.model_validate(t) for t in tiers]
         self.shards: dict[str, ShardInfo] = (
             dict(shards) if isinstance(shards, Mapping) else {s.name: s for s in shards})
         for name in self.shards:
             _check_name(name)
+        if build:
+            _check_name(build)
         self._validate(specs)
         self.lock_timeout = lock_timeout
         self.specs = specs
-        self._tiers = [_Tier(i, s, origin=i == len(specs) - 1) for i, s in enumerate(specs)]
+        self._tiers = [_Tier(i, s, origin=i == len(specs) - 1, build=build) for i, s in enumerate(specs)]
         self._by_name = {t.name: t for t in self._tiers}
         roots = [t.root for t in self._tiers[:-1]]
         if len(set(roots)) != len(roots):
@@ -360,7 +391,7 @@ class TieredStore:
         """The fastest tier holding a ready copy of `name` (the origin when no cache tier does)."""
         self._info(name)
         for t in self._tiers[:-1]:
-            e = self._peek(t).get(name)
+            e = self._peek(t).get(t.key(name))
             if self._ready(name, e) and os.path.exists(t.path(name)):
                 return t.name
         return self.origin
@@ -368,16 +399,19 @@ class TieredStore:
     def resident(self, tier: str) -> dict[str, int]:
         """{shard: bytes} of the ready copies in cache tier `tier`."""
         t = self._cache(tier)
-        return {n: e["bytes"] for n, e in self._peek(t).items() if self._ready(n, e)}
+        mine = self._mine(t, self._peek(t))
+        return {n: e["bytes"] for n, e in mine.items() if self._ready(n, e)}
 
     def used(self, tier: str) -> int:
-        """Bytes of cache tier `tier` taken by ready copies and copies being written."""
+        """Bytes of cache tier `tier` taken by ready copies and copies being written (of every
+        build in it)."""
         return sum(e["bytes"] for e in self._peek(self._cache(tier)).values())
 
     def pinned(self, tier: str) -> dict[str, int]:
         """{shard: pin count over all live processes} in cache tier `tier`."""
-        with self._locked(self._cache(tier)) as led:
-            return {n: sum(e["pins"].values()) for n, e in led.items() if e.get("pins")}
+        t = self._cache(tier)
+        with self._locked(t) as led:
+            return {n: sum(e["pins"].values()) for n, e in self._mine(t, led).items() if e.get("pins")}
 
     def bandwidth(self, tier: str) -> float | None:
         """Bytes/s read from `tier`: configured, else measured from this process's transfers."""
@@ -423,6 +457,7 @@ class TieredStore:
         """
         info = self._info(name)
         t = self._cache(to)
+        key = t.key(name)
         started = time.monotonic()
         deadline = started + (self.lock_timeout if wait_s is None else wait_s)
         delay = 0.002
@@ -430,9 +465,9 @@ class TieredStore:
             if cancel is not None and cancel.is_set():
                 raise CopyCancelled(f"the copy of shard {name!r} into tier {t.name!r} was cancelled")
             with self._locked(t) as led:
-                e = led.get(name)
+                e = led.get(key)
                 if self._ready(name, e) and not os.path.exists(t.path(name)):
-                    del led[name]  # someone removed the file behind our back
+                    del led[key]  # someone removed the file behind our back
                     e = None
                 if self._ready(name, e):
                     e["last_use"] = time.time()
@@ -446,7 +481,7 @@ class TieredStore:
                         for v in victims:
                             self._drop(t, led, v)
                         tmp = f"{t.path(name)}.partial-{os.getpid()}-{secrets.token_hex(4)}"
-                        led[name] = {"bytes": info.bytes, "sha256": info.sha256, "state": "writing",
+                        led[key] = {"bytes": info.bytes, "sha256": info.sha256, "state": "writing",
                                      "pid": os.getpid(), "tmp": tmp, "last_use": time.time(), "pins": {}}
                         with self._events_lock:
                             self._events[(t.name, name)] = threading.Event()
@@ -479,14 +514,14 @@ class TieredStore:
             source, seconds = self._copy_in(name, info, t, tmp, cancel)
         except BaseException:
             with self._locked(t) as led:
-                if led.get(name, {}).get("tmp") == tmp:
-                    del led[name]
+                if led.get(key, {}).get("tmp") == tmp:
+                    del led[key]
                 _unlink(tmp)
             self._signal(t.name, name)
             raise
         with self._locked(t) as led:
             os.replace(tmp, t.path(name))
-            e = led[name]
+            e = led[key]
             e.update(state="ready", last_use=time.time())
             e.pop("tmp", None)
             if pin:
@@ -509,17 +544,17 @@ class TieredStore:
         self._info(name)
         t = self._cache(tier)
         with self._locked(t) as led:
-            e = led.get(name)
+            e = led.get(t.key(name))
             if not self._ready(name, e) or e["pins"]:
                 return False
-            self._drop(t, led, name)
+            self._drop(t, led, t.key(name))
             return True
 
     def pin(self, name: str, tier: str) -> bool:
         """Keep `name` in cache tier `tier` until `unpin`. False when it is not there."""
         t = self._cache(tier)
         with self._locked(t) as led:
-            e = led.get(name)
+            e = led.get(t.key(name))
             if not self._ready(name, e):
                 return False
             _pin(e)
@@ -541,7 +576,7 @@ class TieredStore:
             me = str(os.getpid())
             with self._locked(t) as led:
                 for name in names:
-                    e = led.get(name)
+                    e = led.get(t.key(name))
                     if e is not None and e["pins"].get(me, 0) > 1:
                         e["pins"][me] -= 1
                     elif e is not None:
@@ -582,14 +617,14 @@ class TieredStore:
     def _open(self, name: str, pin: bool) -> Placement:
         self._info(name)
         for t in self._tiers[:-1]:
-            if name not in self._peek(t):
+            if t.key(name) not in self._peek(t):
                 continue
             with self._locked(t) as led:
-                e = led.get(name)
+                e = led.get(t.key(name))
                 if not self._ready(name, e):
                     continue
                 if not os.path.exists(t.path(name)):
-                    del led[name]
+                    del led[t.key(name)]
                     continue
                 e["last_use"] = time.time()
                 if pin:
@@ -630,39 +665,50 @@ class TieredStore:
         info = self.shards.get(name)
         return e is not None and e["state"] == "ready" and info is not None and e["sha256"] == info.sha256
 
+    def _mine(self, t: _Tier, led: dict[str, dict]) -> dict[str, dict]:
+        """{shard: entry} of the ledger's entries of this store's build and shards (the rest:
+        other builds or datasets in the tier)."""
+        n = len(t.prefix)
+        return {k[n:]: e for k, e in led.items() if k.startswith(t.prefix) and k[n:] in self.shards}
+
     def _reclaim(self, t: _Tier, led: dict[str, dict]) -> None:
         """Drop reservations and pins of processes that no longer exist (and their files), and
-        unpinned copies of an older build of the dataset (same name, other sha256)."""
-        for name, e in list(led.items()):
+        unpinned copies of an older build of the dataset (same key, other sha256)."""
+        for key, e in list(led.items()):
             if e["state"] == "writing" and not _alive(e["pid"]):
                 _unlink(e.get("tmp"))
-                _unlink(t.path(name))  # it may have been renamed just before the writer died
-                del led[name]
+                _unlink(t.file(key))  # it may have been renamed just before the writer died
+                del led[key]
                 continue
             dead = [pid for pid in e["pins"] if not _alive(int(pid))]
             for pid in dead:
                 del e["pins"][pid]
-            info = self.shards.get(name)
+            info = self.shards.get(key[len(t.prefix):]) if key.startswith(t.prefix) else None
             if e["state"] == "ready" and not e["pins"] and info is not None and e["sha256"] != info.sha256:
-                _unlink(t.path(name))
-                del led[name]
+                _unlink(t.file(key))
+                del led[key]
 
     def _room(self, t: _Tier, led: dict[str, dict], name: str, need: int, evict: Sequence[str],
               order: Callable[[list[str]], Sequence[str]] | None) -> list[str] | None:
-        """Victims that make room for `need` bytes (possibly none), or None if impossible now."""
+        """Ledger keys of the victims that make room for `need` bytes (possibly none), or None if
+        impossible now. Unpinned copies of other builds or datasets go first (least recently used
+        first): this store's plan has no use for them."""
         free = t.spec.capacity - sum(e["bytes"] for e in led.values())
         if free >= need:
             return []
 
-        def evictable(n: str) -> bool:
-            e = led.get(n)
-            return e is not None and n != name and e["state"] == "ready" and not e["pins"]
+        def evictable(k: str) -> bool:
+            e = led.get(k)
+            return e is not None and k != t.key(name) and e["state"] == "ready" and not e["pins"]
 
-        victims: list[str] = []
-        candidates = [n for n in led if evictable(n)]
+        mine = {t.key(n): n for n in self._mine(t, led)}
+        others = sorted((k for k in led if k not in mine and evictable(k)),
+                        key=lambda k: (led[k]["last_use"], k))
+        candidates = [n for k, n in mine.items() if evictable(k)]
         ranked = order(candidates) if order is not None else sorted(
-            candidates, key=lambda n: (led[n]["last_use"], n))
-        for v in [*evict, *ranked]:
+            candidates, key=lambda n: (led[t.key(n)]["last_use"], n))
+        victims: list[str] = []
+        for v in [*others, *(t.key(n) for n in [*evict, *ranked])]:
             if v in victims or not evictable(v):
                 continue
             victims.append(v)
@@ -671,9 +717,9 @@ class TieredStore:
                 return victims
         return None
 
-    def _drop(self, t: _Tier, led: dict[str, dict], name: str) -> None:
-        _unlink(t.path(name))
-        del led[name]
+    def _drop(self, t: _Tier, led: dict[str, dict], key: str) -> None:
+        _unlink(t.file(key))
+        del led[key]
         with self._stats_lock:
             self._evictions[t.name] += 1
 
@@ -709,25 +755,25 @@ class TieredStore:
                 self._corrupt[src.name] += 1
             if not src.origin:  # the source copy itself is corrupt: never serve it again
                 with self._locked(src) as led:
-                    if name in led and led[name]["state"] == "ready":
+                    if src.key(name) in led and led[src.key(name)]["state"] == "ready":
                         _unlink(src.path(name))
-                        del led[name]
+                        del led[src.key(name)]
             raise ShardCorrupt(name, src.name, src.url(name), info.sha256, digest, n, info.bytes)
         return src.name, seconds
 
     def _open_source(self, name: str, exclude: _Tier):
         """(tier, open binary file) of the fastest tier other than `exclude` holding `name`."""
         for s in self._tiers[:-1]:
-            if s is exclude or name not in self._peek(s):
+            if s is exclude or s.key(name) not in self._peek(s):
                 continue
             with self._locked(s) as led:
-                e = led.get(name)
+                e = led.get(s.key(name))
                 if not self._ready(name, e):
                     continue
                 try:
                     f = open(s.path(name), "rb")  # the fd stays valid if it is evicted meanwhile
                 except FileNotFoundError:
-                    del led[name]
+                    del led[s.key(name)]
                     continue
                 e["last_use"] = time.time()
                 return s, f

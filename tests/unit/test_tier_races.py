@@ -1,5 +1,5 @@
 """Tiered cache races: two readers on one shard, an old build's pinned copy, resume after a
-skipped shard, close during a slow transfer.
+skipped shard, close during a slow transfer, rebuilds of a dataset sharing a tier's capacity.
 
 Real parts: local directories as the tiers (the last one the origin), the real store, prefetcher
 and pipeline threads. The slow copies are stand-ins whose progress the tests drive with events.
@@ -20,10 +20,10 @@ import pytest
 
 import raylib.data.tiers as tiers
 from raylib.data.build import DatasetIndex
-from raylib.data.pipeline import TieredPipeline
+from raylib.data.pipeline import TieredPipeline, tiered_store
 from raylib.data.planner import rank_sequence
 from raylib.data.prefetch import Prefetcher
-from raylib.data.tiers import CopyInProgress, OtherBuildPinned, ShardInfo, TieredStore
+from raylib.data.tiers import CopyInProgress, OtherBuildPinned, ShardInfo, TieredStore, TierFull
 from raylib.spec import JobSpec
 
 pytestmark = pytest.mark.unit
@@ -233,3 +233,62 @@ def test_close_abandons_a_slow_transfer_between_chunks(tmp_path, monkeypatch):
     hot = os.path.dirname(p.store.path(index.shards[0]["path"], "hot"))
     leftovers = [f for _, _, fs in os.walk(hot) for f in fs if ".partial-" in f]
     assert leftovers == [] and p.store.used("hot") == sum(p.store.resident("hot").values())
+
+
+SHARD = 4096
+
+
+def _rebuild(tmp_path) -> DatasetIndex:
+    """The dataset (4 shards of SHARD bytes) built again in place: same names, new contents."""
+    os.makedirs(tmp_path / "ds", exist_ok=True)
+    meta = []
+    for i in range(4):
+        b = os.urandom(SHARD)
+        (tmp_path / "ds" / f"s{i}.bin").write_bytes(b)
+        meta.append({"path": f"s{i}.bin", "bytes": SHARD, "sha256": hashlib.sha256(b).hexdigest(), "rows": 1})
+    return DatasetIndex(url=str(tmp_path / "ds"), seq_len=1, vocab_size=10,
+                        special_ids={"pad": 0, "sep": 1}, shards=meta)
+
+
+def _bytes_under(directory) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(directory)
+               if tiers.META_DIR not in d for f in fs)
+
+
+def _builds_spec(tmp_path) -> JobSpec:
+    return JobSpec.from_dict({"data": {"path": str(tmp_path / "ds"), "manifest": None, "tiers": [
+        {"name": "hot", "url": str(tmp_path / "hot"), "capacity": 4 * SHARD}]}})
+
+
+def test_rebuilds_of_a_dataset_share_the_tiers_capacity(tmp_path):
+    """Each build's copies have their own directory in the tier, but not their own capacity:
+    the copies of old builds nobody reads are evicted to make room for the new one's."""
+    spec = _builds_spec(tmp_path)
+    for _ in range(3):
+        index = _rebuild(tmp_path)
+        store = tiered_store(spec, index)
+        for s in index.shards:
+            with open(store.open(s["path"]), "rb") as f:
+                assert hashlib.sha256(f.read()).hexdigest() == s["sha256"]
+        assert _bytes_under(tmp_path / "hot") <= 4 * SHARD
+        assert store.used("hot") == 4 * SHARD and len(store.resident("hot")) == 4
+
+
+def test_a_copy_a_reader_of_an_older_build_pins_counts_against_the_capacity(tmp_path):
+    spec = _builds_spec(tmp_path)
+    old_index = _rebuild(tmp_path)
+    old = tiered_store(spec, old_index)
+    for s in old_index.shards:
+        old.open(s["path"])
+    old.acquire("s0.bin")  # a reader of the old build is still on it
+    index = _rebuild(tmp_path)
+    new = tiered_store(spec, index)
+    for name in ("s0.bin", "s1.bin", "s2.bin"):  # the old build's unpinned copies make room
+        new.acquire(name)
+    with pytest.raises(TierFull, match=r"16384 of 16384 bytes in use, 16384 of them pinned"):
+        new.promote("s3.bin", "hot", wait_s=0)
+    assert _bytes_under(tmp_path / "hot") <= 4 * SHARD
+    old.unpin("s0.bin", "hot")  # the old reader is done: its copy goes
+    with open(new.open("s3.bin"), "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() == index.shards[3]["sha256"]
+    assert _bytes_under(tmp_path / "hot") <= 4 * SHARD and old.resident("hot") == {}

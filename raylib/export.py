@@ -203,7 +203,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", type=int, default=None, metavar="N",
                    help="export checkpoint step N (default: the newest complete one)")
     p.add_argument("--force", action="store_true",
-                   help="replace the contents of a non-empty --out directory")
+                   help="replace an earlier export in --out (a directory holding anything else is refused)")
     p.add_argument("--merge", action="store_true",
                    help="PEFT runs: write the model with the adapter merged into its weights (lora, ia3) "
                         "instead of the adapter and its base")
@@ -266,9 +266,14 @@ def _check_out(out: Path, run_dir: Path, force: bool) -> None:
                           "give another --out")
     if blocker is not None and not os.access(blocker, os.W_OK | os.X_OK):
         raise ExportError(f"--out {out}: {blocker} is not writable; give another --out")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ExportError(f"--out {out} exists and is not empty; choose a new or empty directory, or "
-                          "pass --force to replace its contents")
+    if out.is_dir() and any(out.iterdir()):
+        # --force replaces an earlier export (the whole directory goes), never anything else
+        if not (out / PROVENANCE).is_file():
+            raise ExportError(f"--out {out} exists, is not empty and holds no earlier export ({PROVENANCE}); "
+                              "choose a new or empty directory")
+        if not force:
+            raise ExportError(f"--out {out} holds an earlier export; choose a new or empty directory, or "
+                              "pass --force to replace it")
 
 
 def _read_index(spec, run_dir: Path):

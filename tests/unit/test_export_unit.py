@@ -119,13 +119,15 @@ def test_an_incomplete_persisted_step_is_named_and_not_used(tmp_path, tiny_datas
         ex.export(run_dir, tmp_path / "out")
 
 
-def test_a_non_empty_out_dir_needs_force(tmp_path, tiny_dataset):
+def test_a_non_empty_out_dir_is_refused_even_with_force(tmp_path, tiny_dataset):
     run_dir, _ = make_run(tmp_path, tiny_dataset)
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(ex.ExportError, match=r"--out .*out exists and is not empty; .* pass --force"):
-        ex.export(run_dir, out)
+    for force in (False, True):  # --force replaces an earlier export only, never someone's files
+        with pytest.raises(ex.ExportError, match=r"--out .*out exists, is not empty and holds no earlier "
+                                                 r"export \(raylib-export.json\); choose a new or empty"):
+            ex.export(run_dir, out, force=force)
     assert (out / "keep.txt").read_text() == "mine"
     for bad in (run_dir, run_dir.parent):  # never, not even with --force
         with pytest.raises(ex.ExportError, match="would hold the run directory"):

@@ -436,7 +436,8 @@ def last_checkpoint(spec: JobSpec, run_dir: Path) -> str:
 
     dirs = sorted(run_dir.glob("checkpoint_*"), key=lambda p: p.stat().st_mtime)
     pointer = dirs[-1] / POINTER if dirs else None
-    run = json.loads(pointer.read_text())["run"] if pointer and pointer.is_file() else None
+    pointed = json.loads(pointer.read_text()) if pointer and pointer.is_file() else {}
+    run = pointed.get("run")
     if spec.checkpoint.in_memory:
         policy = policy_of(spec, str(run_dir))
         try:
@@ -444,10 +445,18 @@ def last_checkpoint(spec: JobSpec, run_dir: Path) -> str:
 
             # Ray Train may not have registered the newest pointer yet: the keepers know the run
             run = newest_held_run(run_family(spec, str(run_dir))) or run
-            store = CheckpointStore(run, policy) if run else None
-            step = store.persist_newest() if store else None
-            if step is not None:  # persisted: the keepers outlive this job, their copies would not
-                store.drop()      # be read again, yet count against every later job's budget
+            stores = [CheckpointStore(run, policy)] if run else []
+            origin = pointed.get("resumed_from")  # this fit failed before a complete snapshot of its
+            if origin and origin["run"] != run:   # own: a rerun resumes where it had resumed from
+                stores.append(CheckpointStore(origin["run"],
+                                              dataclasses.replace(policy, persist_url=origin["persist_url"])))
+            step = None
+            for store in stores:
+                step = store.persist_newest()
+                if step is not None:  # persisted: the keepers outlive this job, their copies would not
+                    store.drop()      # be read again, yet count against every later job's budget
+                    run, policy = store.run, store.policy
+                    break
         except Exception as e:  # the cluster may be what failed
             log.warning("could not persist the newest in-memory checkpoint: %s", e)
             step = None

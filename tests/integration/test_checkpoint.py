@@ -63,7 +63,8 @@ def payload(step: int, rank: int) -> dict[str, bytes]:
             "latest": f"global_step{step}".encode()}
 
 
-def _save(run: str, policy, step: int, rank: int, world: int, complete_step: int | None = None):
+def _save(run: str, policy, step: int, rank: int, world: int, complete_step: int | None = None,
+          persist: bool = True):
     """A rank's save, run on the node the task is pinned to: put its files, hand them over."""
     import numpy as np
     import ray
@@ -73,7 +74,8 @@ def _save(run: str, policy, step: int, rank: int, world: int, complete_step: int
     files = payload(step, rank)
     refs = {rel: ray.put(np.frombuffer(data, dtype=np.uint8)) for rel, data in files.items()}
     answer = CheckpointStore(run, policy).put(step, rank, world, refs, sum(map(len, files.values())),
-                                              {"state": {"rank": rank}}, complete_step=complete_step)
+                                              {"state": {"rank": rank}}, persist=persist,
+                                              complete_step=complete_step)
     return ray.get_runtime_context().get_node_id(), ray.get(answer)
 
 
@@ -179,6 +181,43 @@ def test_retention_keeps_the_step_every_rank_has_handed_over(cluster):
     assert store.complete_steps(persisted=False) == [(20, 2)]
     assert all(len(copies) == 2 for copies in store.holders().values()), "replicas keep it too"
     store.drop()
+
+
+def test_a_run_that_fails_before_its_first_snapshot_persists_the_step_it_resumed_from(
+        cluster, tiny_dataset, tmp_path):
+    """A fit resumed from an earlier fit's step 4 (in memory only) and failed for good before its
+    own first snapshot was complete (step 6: rank 0's part only). The driver persists step 4, the
+    step a rerun resumes from, rather than declaring nothing persisted."""
+    import json
+
+    import ray
+
+    from raylib.checkpoint import CheckpointStore
+    from raylib.checkpoint.checkpointer import POINTER, policy_of, run_family
+    from raylib.train.trainer import last_checkpoint
+
+    _, nodes, _ = cluster
+    spec = job(tiny_dataset, tmp_path, "lineage")
+    run_dir = spec.run_dir()
+    policy = policy_of(spec, str(run_dir))
+    family = run_family(spec, str(run_dir))
+    earlier, current = family + "earlier", family + "current"
+    task = ray.remote(num_cpus=0)(_save)
+    # in memory only (persist_every), as the fit's and the earlier fit's snapshots between uploads
+    ray.get([task.options(**on(n.node_id)).remote(earlier, policy, 4, r, 2, None, False)
+             for r, n in enumerate(nodes)])
+    ray.get(task.options(**on(nodes[0].node_id)).remote(current, policy, 6, 0, 2, None, False))
+    pointer_dir = run_dir / "checkpoint_2026-01-01_00-00-00.000000"
+    pointer_dir.mkdir(parents=True)
+    (pointer_dir / POINTER).write_text(json.dumps({
+        "run": current, "step": 6, "world_size": 2, "persist_url": policy.persist_url, "complete_step": None,
+        "resumed_from": {"run": earlier, "persist_url": policy.persist_url, "step": 4}}))
+    message = last_checkpoint(spec, run_dir)
+    assert message == (f"The last good checkpoint is step 4 (object store, persisted to {policy.persist_url}/"
+                       f"{earlier}); running the same job again resumes from it."), message
+    assert 4 in CheckpointStore(earlier, policy).persisted.complete_steps()
+    assert held_parts(earlier) == []
+    CheckpointStore(current, policy).drop()
 
 
 def test_corrupt_persisted_shard_falls_back_to_the_previous_checkpoint(cluster, tmp_path, caplog):

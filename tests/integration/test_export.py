@@ -91,7 +91,7 @@ def test_export_round_trip_reproduces_the_engines_logits(name, tiny_dataset, tmp
     assert ids and max(ids) < index.vocab_size
 
     # an earlier step of the same run, into the same directory
-    with pytest.raises(ex.ExportError, match="not empty"):
+    with pytest.raises(ex.ExportError, match="holds an earlier export; .* or pass --force to replace it"):
         ex.export(run_dir, out, step=2)
     capsys.readouterr()
     ex.export(run_dir, out, step=2, force=True, progress=False)

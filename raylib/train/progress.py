@@ -105,7 +105,8 @@ class ProgressChannel:
         self.mailbox = mailbox
 
     def send(self, metrics: dict[str, Any], checkpoint: bool = False) -> None:
-        self.mailbox.put({**metrics, "event": "report", "checkpoint": checkpoint})
+        # sent_at: rank 0's clock, which the bar's rate and time left go by (see ProgressBar.show)
+        self.mailbox.put({**metrics, "event": "report", "checkpoint": checkpoint, "sent_at": time.time()})
 
 
 class RunForwarder(ControllerCallback, WorkerGroupCallback):
@@ -214,6 +215,7 @@ class ProgressBar:
         self.last: dict[str, Any] = {}
         self.events: list[dict[str, Any]] = []
         self.placement_groups: list[str] = []  # the run's worker groups' (hex ids), in order
+        self._sent: float | None = None  # the latest report's sent_at (rank 0's clock)
 
     def __enter__(self) -> ProgressBar:
         from tqdm.auto import tqdm
@@ -259,6 +261,12 @@ class ProgressBar:
             self.events.append(m)
             log.warning("%s", describe_event(m))
             return
+        if m.get("sent_at") is not None:
+            # the bar's clock (its elapsed, rate and time left) is rank 0's at its reports, not the
+            # driver's at their arrival: a poll takes every report sent since the last one at once,
+            # which on a short run made tqdm's rate thousands of steps/s
+            self._sent = max(self._sent or m["sent_at"], m["sent_at"])
+            self._bar._time = self._sent_clock
         if not self.last and self.enabled:
             self._count_from(m["step"])
         self.last = m
@@ -269,6 +277,9 @@ class ProgressBar:
         self._bar.update(max(0, m["step"] - self._bar.n))
         if not self._bar.disable and self._bar.last_print_t == drawn:  # no draw: no new steps, or
             self._bar.refresh()  # within tqdm's rate limit
+
+    def _sent_clock(self) -> float:
+        return self._sent
 
     def _count_from(self, step: int) -> None:
         """Start the bar's clock at the run's first report: the time before it is the cluster's

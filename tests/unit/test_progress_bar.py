@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import io
+import time
 
 import pytest
 from tqdm import tqdm
 
-from raylib.train.progress import ProgressBar
+from raylib.train.progress import ProgressBar, ProgressChannel
 
 pytestmark = pytest.mark.unit
 
@@ -40,6 +41,48 @@ def test_the_time_left_does_not_average_in_the_start_up():
     assert d["n"] == 20 and rate == pytest.approx(20.0)
     assert (d["total"] - d["n"]) / rate == pytest.approx(9.0)
     assert "00:09" in tqdm.format_meter(**d)  # what the console shows as the time left
+
+
+class Outbox:
+    def __init__(self):
+        self.events = []
+
+    def put(self, event):
+        self.events.append(event)
+
+
+def test_the_rate_and_time_left_are_rank_0s_when_one_poll_takes_every_report():
+    """A short run: rank 0 sends a report every 0.5 s (10 steps each), and one poll of the driver
+    takes all of them, 1 ms apart by the driver's clock. The bar's rate is rank 0's 20 steps/s
+    and its time left follows from it, not the thousands of steps/s of their arrival times."""
+    outbox, sent = Outbox(), 5000.0  # rank 0's clock, not the driver's
+    channel = ProgressChannel(outbox)
+    for step in range(10, 60, 10):
+        channel.send({"step": step, "loss": 1.0, "samples_per_s": 640.0})
+        outbox.events[-1]["sent_at"] = sent  # what rank 0's clock said (send stamps it: time.time())
+        sent += 0.5
+    clock = Clock()
+    out = io.StringIO()
+    bar = ProgressBar(100)
+    bar._bar = tqdm(total=100, file=out, unit="step", ascii=True)  # rate limits as in __enter__
+    bar._bar._time = clock
+    bar._bar.reset()
+    clock.now += 30.0  # start-up
+    for m in outbox.events:
+        bar.show(m)
+        clock.now += 0.001
+    d = bar._bar.format_dict
+    rate = d["rate"] or (d["n"] - d["initial"]) / d["elapsed"]
+    assert d["n"] == 50 and rate == pytest.approx(20.0)
+    last = out.getvalue().split("\r")[-1]
+    assert "50/100 [00:02<00:02, 20.00step/s, loss 1.000, 640 samples/s]" in last, last
+
+
+def test_a_report_carries_rank_0s_time():
+    outbox = Outbox()
+    before = time.time()
+    ProgressChannel(outbox).send({"step": 10, "loss": 1.0})
+    assert before <= outbox.events[0]["sent_at"] <= time.time()
 
 
 def test_each_report_draws_the_bar_once_with_its_own_loss():

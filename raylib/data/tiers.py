@@ -30,6 +30,8 @@ Rules that hold across processes and threads:
   evicted. Pins and reservations of processes that died are dropped the next time the tier is
   locked (the pid no longer exists), together with their partial files.
 * Eviction removes the name; a reader that already opened the file keeps reading it (POSIX).
+  Directories it leaves empty go too (an old build's D/<build>/ with its last copy), never one
+  a ledger entry lives under; opening a tier removes the empty ones no entry lives under.
 * The tiers are caches: copies are not fsynced. A process crash leaves nothing wrong behind; after
   a machine crash (power loss), wipe the cache tier directories. A pid reused by a new process
   may keep a dead process's pin alive until that process exits (only delays an eviction).
@@ -335,6 +337,9 @@ class TieredStore:
         self._evictions: Counter[str] = Counter()
         self._corrupt: Counter[str] = Counter()
         self._bandwidth: dict[str, float] = {}
+        for t in self._tiers[:-1]:  # opening a tier drops dead processes' leftovers (_reclaim) and
+            with self._locked(t) as led:  # the empty directories of builds no longer in it
+                _sweep(t, led)
 
     # ----------------------------------------------------------------------------- validation
     def _validate(self, specs: list[TierSpec]) -> None:
@@ -517,6 +522,7 @@ class TieredStore:
                 if led.get(key, {}).get("tmp") == tmp:
                     del led[key]
                 _unlink(tmp)
+                _prune(t, led, key)
             self._signal(t.name, name)
             raise
         with self._locked(t) as led:
@@ -679,6 +685,7 @@ class TieredStore:
                 _unlink(e.get("tmp"))
                 _unlink(t.file(key))  # it may have been renamed just before the writer died
                 del led[key]
+                _prune(t, led, key)
                 continue
             dead = [pid for pid in e["pins"] if not _alive(int(pid))]
             for pid in dead:
@@ -687,6 +694,7 @@ class TieredStore:
             if e["state"] == "ready" and not e["pins"] and info is not None and e["sha256"] != info.sha256:
                 _unlink(t.file(key))
                 del led[key]
+                _prune(t, led, key)
 
     def _room(self, t: _Tier, led: dict[str, dict], name: str, need: int, evict: Sequence[str],
               order: Callable[[list[str]], Sequence[str]] | None) -> list[str] | None:
@@ -720,6 +728,7 @@ class TieredStore:
     def _drop(self, t: _Tier, led: dict[str, dict], key: str) -> None:
         _unlink(t.file(key))
         del led[key]
+        _prune(t, led, key)  # an old build's directory goes with its last copy
         with self._stats_lock:
             self._evictions[t.name] += 1
 
@@ -758,6 +767,7 @@ class TieredStore:
                     if src.key(name) in led and led[src.key(name)]["state"] == "ready":
                         _unlink(src.path(name))
                         del led[src.key(name)]
+                        _prune(src, led, src.key(name))
             raise ShardCorrupt(name, src.name, src.url(name), info.sha256, digest, n, info.bytes)
         return src.name, seconds
 
@@ -794,6 +804,39 @@ def _cancellable(write: Callable[[Any], Any], cancel: threading.Event, name: str
             raise CopyCancelled(f"the copy of shard {name!r} into tier {tier!r} was cancelled")
         return write(chunk)
     return checked
+
+
+def _prune(t: _Tier, led: dict[str, dict], key: str) -> None:
+    """Under t's lock, once `key` is out of the ledger: remove the directories between its file and
+    the tier directory that this left empty (a build's D/<build>/ goes with its last copy). Never
+    one that a ledger entry lives under: a reserved copy's directory is made outside the lock,
+    just before its file."""
+    d = os.path.dirname(key)
+    while d:
+        if any(k.startswith(d + "/") for k in led):
+            return
+        try:
+            os.rmdir(t.file(d))
+        except FileNotFoundError:
+            pass
+        except OSError:  # not empty: a file the ledger does not know of stays, and so does its directory
+            return
+        d = os.path.dirname(d)
+
+
+def _sweep(t: _Tier, led: dict[str, dict]) -> None:
+    """Under t's lock: remove the empty directory trees of the tier directory that no ledger
+    entry lives under (what copies removed before `_prune` existed left behind)."""
+    used = {k.split("/", 1)[0] for k in led}
+    with os.scandir(t.root) as entries:
+        tops = [e.path for e in entries
+                if e.name != META_DIR and e.name not in used and e.is_dir(follow_symlinks=False)]
+    for top in tops:
+        for d, _, _ in os.walk(top, topdown=False):
+            try:
+                os.rmdir(d)
+            except OSError:  # holds a file the ledger does not know of: left as it is
+                pass
 
 
 def _pin(e: dict) -> None:

@@ -169,16 +169,23 @@ class Compressor:
                payload_bytes: int, dense_bytes: int, grad_norm: torch.Tensor | float) -> dict:
         """``last``: whether any tensor went compressed, how many did and how many went dense, the bytes this
         rank handed to collectives vs the bytes a plain all_reduce would have, ||error||_2 of this call's
-        names after the call (0.0 without error feedback) and ||incoming local grads||_2. Both norms cover
-        only this call's tensors, so a caller with several buckets per step can sum their squares."""
-        errors = [self._errors[name] for name, _ in grads if name in self._errors]
-        error_norm = self._norm(errors) if self.error_feedback else torch.zeros(())
+        names after the call (0.0 without error feedback), the same per name (``error_norms``: the names
+        with an error buffer) and ||incoming local grads||_2. The norms cover only this call's tensors: a
+        caller with several buckets per step can sum their squares, but one that reduces the same names
+        more than once per step (ZeRO-2 with gradient accumulation reduces every micro-batch) carries
+        only each name's latest error into the next step, so it keeps the latest ``error_norms``."""
+        names = [name for name, _ in grads if name in self._errors] if self.error_feedback else []
+        # error buffers are fp32 (a 0-d tensor's norm is its absolute value)
+        per_name = [torch.linalg.vector_norm(self._errors[name].detach()) for name in names]
+        error_norm = torch.linalg.vector_norm(torch.stack(per_name)) if per_name else torch.zeros(())
         grad_norm = torch.as_tensor(grad_norm, dtype=torch.float32)
-        # One device-to-host copy for both norms rather than one each.
-        norms = torch.stack([grad_norm, error_norm.to(grad_norm.device)]).tolist()
+        # One device-to-host copy for all the norms rather than one each.
+        device = grad_norm.device
+        norms = torch.stack([grad_norm, error_norm.to(device), *(n.to(device) for n in per_name)]).tolist()
         return {"compressed": compressed, "tensors": tensors, "dense_tensors": dense_tensors,
                 "payload_bytes": payload_bytes, "dense_bytes": dense_bytes,
-                "error_norm": norms[1], "grad_norm": norms[0]}
+                "error_norm": norms[1], "error_norms": dict(zip(names, norms[2:], strict=True)),
+                "grad_norm": norms[0]}
 
 
 class Dense(Compressor):

@@ -10,7 +10,12 @@ stage funnels its gradients through, installed right after deepspeed.initialize:
 - ZeRO-1/2: `optimizer.gradient_reduction_w_predivide(flat, dtype)`: one contiguous bucket of
   gradients, in the order of `ipg_buckets[dtype].params` (strategy.py turns reduce_scatter and
   overlap_comm off so that every reduction takes this path); without a compressor `average_tensor`,
-  around it (either reduce_scatter path), is timed;
+  around it (either reduce_scatter path), is timed. ZeRO-1 reduces once per optimizer step, the
+  accumulated gradient at the accumulation boundary; ZeRO-2 reduces every micro-batch's gradient
+  ("ZeRO stage >= 2 communicates during non gradient accumulation boundaries as well", DeepSpeed's
+  engine), so with gradient_accumulation_steps k the compressor runs k times a step, each time on
+  that micro-batch's local gradient plus the residual carried so far, and the step moves k x the
+  bytes (as DeepSpeed's own ZeRO-2 reduction does: the compression ratio is unchanged);
 - ZeRO-3: not measured (its reduce-scatter runs in hooks of its own); compression is refused there.
 
 Every reduction is timed and its collectives' bytes are counted (raylib.train.commstats) per
@@ -37,6 +42,8 @@ class GradReduction:
         self.method = method or (compressor.method if compressor is not None else "none")
         self.steps: list[dict[str, float]] = []
         self._open = self._empty()
+        # name -> ||error||^2 after its latest reduction this step: what the step carries into the next
+        self._errors_sq: dict[str, float] = {}
         self._names = {id(p): n for n, p in engine.module.named_parameters()}
         self._all_bytes = _all_payload_bytes()
         self.reached = False
@@ -134,7 +141,11 @@ class GradReduction:
         o["calls"] += 1
         o["dense_bytes"] += last["dense_bytes"]
         if "error_norm" in last:  # a compressor's call
-            o["error_norm_sq"] += last["error_norm"] ** 2
+            # ZeRO-2 with gradient accumulation reduces (and compresses) every micro-batch: a name
+            # then comes more than once a step, and only its latest residual is carried on
+            self._errors_sq.update((name, norm * norm) for name, norm in last["error_norms"].items())
+            o["error_norm_sq"] = sum(self._errors_sq.values())
+            # every gradient handed over this step (at ZeRO-2 with accumulation, each micro-batch's)
             o["grad_norm_sq"] += last["grad_norm"] ** 2
             o["compressed"] += int(last["compressed"])
 
@@ -149,7 +160,7 @@ class GradReduction:
         now = _all_payload_bytes()  # every collective since the last step: ZeRO's all-gather too
         self._open["all_bytes"], self._all_bytes = now - self._all_bytes, now
         self.steps.append(self._open)
-        self._open = self._empty()
+        self._open, self._errors_sq = self._empty(), {}
 
     def metrics(self) -> dict[str, Any] | None:
         """Per optimizer step, medians over the steps after the first (warm-up), for this rank."""
@@ -174,6 +185,8 @@ class GradReduction:
             "comm_fraction": med["reduce_s"] / med["step_s"] if med["step_s"] else None,
         }
         if self.compressor is not None:
+            # this rank's residual carried into the next step (each tensor's error after its latest
+            # reduction), over the norm of the local gradients the step handed to the compressor
             out["error_feedback_norm"] = last["error_norm_sq"] ** 0.5
             grad = last["grad_norm_sq"] ** 0.5
             out["error_to_grad_norm"] = out["error_feedback_norm"] / grad if grad else None

@@ -454,9 +454,13 @@ def test_topk_sends_k_entries_and_keeps_the_rest_exactly(ranks, dtype):
         error_norm = torch.cat([e.reshape(-1) for e in outcome["error_after"].values()]).norm()
         grad_norm = torch.cat([g.float().reshape(-1) for g in outcome["incoming"].values()]).norm()
         assert last["error_norm"] == pytest.approx(float(error_norm), rel=1e-5)
+        # per name too (a caller that reduces a name twice a step keeps the latest: grad_reduction)
+        assert last["error_norms"] == pytest.approx(
+            {name: float(e.norm()) for name, e in outcome["error_after"].items()}, rel=1e-5)
         assert last["grad_norm"] == pytest.approx(float(grad_norm), rel=1e-3)
         other_last, other_error = outcome["other bucket"]
         assert other_last["error_norm"] == pytest.approx(float(other_error.norm()), rel=1e-5)
+        assert other_last["error_norms"] == pytest.approx({"other": float(other_error.norm())}, rel=1e-5)
     for outcome in outcomes:
         for name in TOPK_SHAPES:
             mean = (sent_by_rank[0][name] + sent_by_rank[1][name]) / WORLD
@@ -624,3 +628,34 @@ def test_make_compressor_builds_each_method():
     assert isinstance(make_compressor("none"), Dense) and make_compressor("none").method == "none"
     assert isinstance(make_compressor("powersgd", rank=2), PowerSGD) and make_compressor("powersgd").rank == 4
     assert make_compressor("topk", fraction=1.0).fraction == 1.0
+
+
+def test_grad_reduction_reports_the_residual_carried_into_the_next_step():
+    """ZeRO-2 with gradient accumulation reduces every micro-batch, so each name reaches the compressor
+    more than once a step: the step's error-feedback norm is each name's latest residual (what the next
+    step gets), not the residuals of every micro-batch summed."""
+    from types import SimpleNamespace
+
+    from raylib.train.grad_reduction import GradReduction
+
+    class Residual:  # leaves each name with the error its gradient's value says
+        method = "topk"
+
+        def reduce_(self, grads, group, world, step):
+            errors = {name: float(t.sum()) for name, t in grads}
+            self.last = {"dense_bytes": 4 * len(grads), "compressed": True, "grad_norm": 1.0,
+                         "error_norm": math.sqrt(sum(e * e for e in errors.values())), "error_norms": errors}
+
+    engine = SimpleNamespace(module=torch.nn.Linear(1, 1), global_steps=0,
+                             optimizer=SimpleNamespace(gradient_reduction_w_predivide=None))
+    reduction = GradReduction(engine, 2, Residual())
+    for step, residuals in enumerate(((3.0, 4.0), (1.0, 2.0))):
+        for micro in residuals:  # two buckets, each reduced at both micro-batches
+            reduction._compress([("a", torch.tensor([micro]))], None, WORLD)
+            reduction._compress([("b", torch.tensor([2 * micro]))], None, WORLD)
+        reduction.step_done(1.0)
+        assert reduction.steps[-1]["error_norm_sq"] == pytest.approx(5 * residuals[-1] ** 2), step
+    metrics = reduction.metrics()
+    assert metrics["reductions_per_step"] == 4
+    assert metrics["error_feedback_norm"] == pytest.approx(math.sqrt(20))  # the last step's: 2^2 + 4^2
+    assert metrics["error_to_grad_norm"] == pytest.approx(math.sqrt(20) / 2)  # 4 gradients of norm 1

@@ -639,7 +639,8 @@ class CheckpointSpec(_Section):
     keep_in_memory: int = Field(2, ge=1)
     """Snapshots kept in the object store per run (oldest dropped first)."""
     keep_persisted: int = Field(2, ge=1)
-    """Persisted snapshots kept at persist_url."""
+    """Persisted snapshots kept at persist_url: the run's newest complete ones, over all of its
+    fits (a resumed fit trims the earlier fits' older steps once it has persisted one)."""
     persist_every: int | str = "10m"
     """How often a snapshot also goes to persist_url: every k-th scheduled snapshot (an integer;
     1: every one), or at most once per duration ("30s", "10m", "1h": the first snapshot that long

@@ -7,14 +7,16 @@ step) and a background thread hands them to its node's keeper (handoff.py). The 
 replicates and persists in the background (only persisting writes DeepSpeed's files). A restore
 from memory at the same world size serves the state dicts to DeepSpeed from the object store
 (deepspeed_io.ServeEngine): no file is written or read. Rank 0 reports a small *pointer*
-checkpoint to Ray Train ({run, step, world_size, persist_url, complete_step, resumed_from}), so
-Ray Train's bookkeeping, get_checkpoint() and Tune keep working. The pointer is reported before
-the ranks' parts of `step` have reached their keepers, so it is only a hint: restore loads the
-newest step that is complete, whatever the pointer says. `complete_step` is the newest step every
-rank had handed over when the pointer was written (one MIN all-reduce per save; None before the
-first): the one the pointer vouches for. `resumed_from` ({run, persist_url, step}) is what this
-fit's latest restore loaded (carried over from the pointer when it loaded nothing), so a fit that
-fails before its own first snapshot is complete can resume from there again.
+checkpoint to Ray Train ({run, step, world_size, persist_url, complete_step, resumed_from,
+earlier}), so Ray Train's bookkeeping, get_checkpoint() and Tune keep working. The pointer is
+reported before the ranks' parts of `step` have reached their keepers, so it is only a hint:
+restore loads the newest step that is complete, whatever the pointer says. `complete_step` is
+the newest step every rank had handed over when the pointer was written (one MIN all-reduce per
+save; None before the first): the one the pointer vouches for. `resumed_from` ({run,
+persist_url, step}) is what this fit's latest restore loaded (carried over from the pointer when
+it loaded nothing), so a fit that fails before its own first snapshot is complete can resume
+from there again. `earlier` lists the run's earlier fits whose persisted steps this one may
+supersede (see below).
 
 Restoring after a restart, every rank must load the same step, so the choice is collective: rank 0
 lists the complete steps (newest first) and broadcasts them; for each, every rank fetches what it
@@ -34,6 +36,15 @@ resumed from). A pointer (of this fit or a previous one) that vouches for no ste
 before every rank had handed over a snapshot) leads to the step its fit resumed from
 (resumed_from), or, with none, to a fresh start with a warning; a pointer whose complete_step or
 resumed_from survives nowhere is an error (training would silently be lost).
+
+The earlier fits' persisted steps are the run's too: `keep_persisted` counts the newest complete
+steps at persist_url over all of its fits. Once this fit has persisted a step, close() removes
+from the earlier fits (the pointer's, the one it resumed from, and the `earlier` they superseded
+in turn: at most keep_persisted + 1, newest first) every step older than those, and an incomplete
+one older than this fit's newest; an earlier fit goes once nothing of it is left. Only fits of
+this run directory at this fit's persist_url are touched: never another run's keys (a copy of a
+run directory resumes from the original's, which must not lose its checkpoints), nor another
+persist_url.
 """
 
 from __future__ import annotations
@@ -160,6 +171,7 @@ class ObjectStoreCheckpointer:
         self._handed: int | None = None  # the newest step this rank's handoff settled (not lost)
         self._last_persist = time.monotonic()  # rank 0's: a duration cadence counts from the start
         self._resumed_from: dict[str, Any] | None = None  # what restore loaded (run, persist_url, step)
+        self._earlier: list[str] = []  # earlier fits of this run whose persisted steps close() trims
         self._others_dropped = False  # whether other fits' memory copies were freed (rank 0)
         if spec.checkpoint.in_memory:  # while the engine is built: a first actor call costs ~0.1 s
             threading.Thread(target=_connect_to_keepers, args=(self.rank,), name="ckpt-connect",
@@ -190,6 +202,7 @@ class ObjectStoreCheckpointer:
         when there is none (a fresh start)."""
         t0 = time.perf_counter()
         self.store = CheckpointStore(self.family + fit_id(), self.policy)
+        self._earlier = self._earlier_fits(pointer)
         readers = [self.store]
         # pointers written before complete_step existed vouch for their step
         vouched = pointer.get("complete_step", pointer["step"]) if pointer is not None else None
@@ -260,6 +273,19 @@ class ObjectStoreCheckpointer:
                 "(remove its run directory)"
             )
         return found[:2] if found else None
+
+    def _earlier_fits(self, pointer: dict[str, Any] | None) -> list[str]:
+        """The run keys of the earlier fits of this run directory whose steps persisted at this
+        fit's persist_url it may supersede, newest first: the pointer's fit, the one it resumed
+        from, and the pointer's own `earlier`."""
+        url = self.policy.persist_url
+        if pointer is None or pointer.get("persist_url") != url:  # not what this fit manages
+            return []
+        lineage = pointer.get("resumed_from") or {}
+        runs = [pointer["run"], *([lineage["run"]] if lineage.get("persist_url") == url else []),
+                *(pointer.get("earlier") or [])]
+        return [run for run in dict.fromkeys(runs)
+                if run != self.store.run and run.startswith(self.family)][:self.policy.keep_persisted + 1]
 
     def _load_newest(self, engine, reader: CheckpointStore, candidates: list[tuple[int, int]]):
         """(step, state, source) of the newest candidate all ranks could fetch, loaded; or None."""
@@ -454,12 +480,13 @@ class ObjectStoreCheckpointer:
     def _pointer(self, step: int, complete_step: int | None) -> dict[str, Any]:
         return {"run": self.store.run, "step": step, "world_size": self.world,
                 "persist_url": self.policy.persist_url, "complete_step": complete_step,
-                "resumed_from": self._resumed_from}
+                "resumed_from": self._resumed_from, "earlier": self._earlier}
 
     def close(self) -> None:
         """Wait for background persistence, then free this rank's parts up to the newest persisted
-        step from memory (a finished run's checkpoints stay at persist_url only). The fit
-        this one resumed from is removed from persist_url once this one has a checkpoint there."""
+        step from memory (a finished run's checkpoints stay at persist_url only). Once this fit
+        has a checkpoint there, the earlier fits' persisted steps that the run's retention no
+        longer keeps are removed (_supersede())."""
         if self.store is None or not self._blocked:
             return
         self.settle()
@@ -474,10 +501,31 @@ class ObjectStoreCheckpointer:
             self.store.drop(rank=self.rank, upto=self._flushed["persisted"][-1])
             if self.rank == 0 and not self._others_dropped:  # no save saw a complete step: free them now
                 self.store.drop_others(self.family)
-        previous = self._restored["restored_from"]
-        if self.rank == 0 and previous not in (None, self.store.run) and self._flushed["persisted"]:
-            # the fit this one resumed from is superseded by a complete persisted checkpoint
-            CheckpointStore(previous, self.policy).persisted.remove_all()
+        if self.rank == 0 and self._flushed["persisted"] and self._earlier:
+            try:
+                self._supersede()
+            except Exception as e:  # only a clean-up: what it leaves is kept, not lost
+                log.warning("checkpoint %s: could not remove the earlier fits' superseded persisted "
+                            "steps: %s", self.store.run, e)
+
+    def _supersede(self) -> None:
+        """Apply keep_persisted to the run's fits together: of the earlier fits' persisted steps,
+        remove those older than the keep_persisted newest complete steps (this fit's persisted
+        ones included), and an incomplete one older than this fit's newest persisted step (it
+        can never be completed); an earlier fit with nothing left goes."""
+        mine = self._flushed["persisted"]  # this fit's complete persisted steps, oldest first
+        earlier = [CheckpointStore(run, self.policy).persisted for run in self._earlier]
+        steps = [(run, run.steps()) for run in earlier]
+        complete = sorted({*mine, *(s for _, found in steps for s, (world, ranks) in found.items()
+                                    if ranks >= set(range(world)))}, reverse=True)
+        keep = self.policy.keep_persisted
+        cut = complete[keep - 1] if len(complete) >= keep else None
+        for run, found in steps:
+            for step, (world, ranks) in sorted(found.items()):
+                if (cut is not None and step < cut) or (step < mine[-1] and not ranks >= set(range(world))):
+                    run.remove_step(step)
+            if not run.parts():
+                run.remove_all()
 
     @property
     def blocked_s(self) -> list[float]:

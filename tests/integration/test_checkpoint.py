@@ -563,6 +563,109 @@ def test_an_earlier_fits_memory_copies_outlive_the_restore_until_a_complete_snap
                       ("save 52", None, [family]), ("restart after 52", 52, [family])], events
 
 
+def _resume_save_close(spec, fit: str, pointer: dict | None, saves: list[int], memory: tuple = ()):
+    """Fit `fit` of `spec` (one rank) resumes with Ray Train's `pointer`, saves and persists
+    `saves`, and closes, as at the end of training. `memory`: (run, step) parts (one rank's) of
+    earlier fits held in the keepers only, put first. Returns (the step it restored, its last
+    pointer)."""
+    import torch.distributed as dist
+
+    from raylib.checkpoint import CheckpointStore, deepspeed_io
+    from raylib.checkpoint import checkpointer as module
+
+    real_fit_id, real_capture = module.fit_id, deepspeed_io.capture
+    module.fit_id = lambda: fit
+    deepspeed_io.capture = lambda engine, step, state, rank_state=None: payload(step, 0)
+    try:
+        checkpointer, engine = _one_rank_checkpointer(spec)
+        for run, step in memory:
+            _put_part(run, checkpointer.policy, step, 0, 1, persist=False)
+        found = (checkpointer.restore(engine, pointer) or [None])[0]
+        checkpointer._report = lambda metrics, step: None  # ray.train.report: outside Ray Train here
+        for step in saves:
+            checkpointer.save(engine, step, {}, {})
+            checkpointer.settle()
+        checkpointer.close()
+        for run in {checkpointer.store.run, *(run for run, _ in memory)}:
+            CheckpointStore(run, checkpointer.policy).drop()
+        return found, checkpointer._pointer(saves[-1], saves[-1])
+    finally:
+        module.fit_id, deepspeed_io.capture = real_fit_id, real_capture
+        dist.destroy_process_group()
+
+
+def _persisted(spec, runs: list[str], url: str | None = None) -> dict[str, list[int]]:
+    """{run: its complete persisted steps} at `url` (the spec's persist_url)."""
+    from raylib.checkpoint.checkpointer import policy_of
+    from raylib.checkpoint.persist import PersistedRun
+
+    url = url or policy_of(spec, str(spec.run_dir())).persist_url
+    return {run: sorted(PersistedRun(url, run).complete_steps()) for run in runs}
+
+
+def _earlier_fit(spec, fit: str, steps: list[int], incomplete: tuple = ()) -> dict:
+    """Fit `fit` of `spec`'s run persisted `steps` (one rank each; `incomplete`: rank 0 of 2
+    only) and ended: Ray Train's pointer to its newest step."""
+    from raylib.checkpoint.checkpointer import policy_of, run_family
+    from raylib.checkpoint.persist import PersistedRun
+
+    url, run = policy_of(spec, str(spec.run_dir())).persist_url, run_family(spec, str(spec.run_dir())) + fit
+    for step in steps:
+        PersistedRun(url, run).write_part(step, 0, 1, payload(step, 0), {"state": {}})
+    for step in incomplete:
+        PersistedRun(url, run).write_part(step, 0, 2, payload(step, 0), {"state": {}})
+    return {"run": run, "step": max(steps), "world_size": 1, "persist_url": url, "complete_step": max(steps),
+            "resumed_from": None}
+
+
+def test_a_resumed_fit_removes_only_what_the_runs_retention_no_longer_keeps(cluster, tmp_path):
+    """keep_persisted counts the run's newest persisted steps over its fits (its resumes): a
+    resumed fit that persisted fewer removes only the earlier fits' older steps, and the next one
+    what is left of them (the earlier fit's key goes once empty, nothing left behind); a step
+    newer than the resumed fit's own is never removed; nor is another run's checkpoint (a copy
+    of a run directory resumes from the original's pointer, at a shared persist_url)."""
+    import ray
+
+    task = ray.remote(num_cpus=0)(_resume_save_close)
+    data = str(tmp_path / "unread")  # no data is read: the checkpoints are made up
+
+    # keep_persisted: 3, a resume that persists one step: the 3 newest of the run stay
+    spec = job(data, tmp_path, "keep3", checkpoint={"keep_persisted": 3, "persist_every": 1})
+    a = _earlier_fit(spec, "fitA", [80, 90, 100])
+    found, _ = ray.get(task.remote(spec, "fitB", a, [110]))
+    b = a["run"].replace("fitA", "fitB")
+    assert found == 100 and _persisted(spec, [a["run"], b]) == {a["run"]: [90, 100], b: [110]}
+
+    # a chain of fits (keep_persisted: 2): A's incomplete 95 and old 80 go at B's close, its 90 at
+    # C's, and with it A's key
+    spec = job(data, tmp_path, "chain", checkpoint={"persist_every": 1})
+    a = _earlier_fit(spec, "fitA", [80, 90], incomplete=(95,))
+    b, c = a["run"].replace("fitA", "fitB"), a["run"].replace("fitA", "fitC")
+    found, pointer = ray.get(task.remote(spec, "fitB", a, [100]))
+    assert found == 90 and pointer["earlier"] == [a["run"]], pointer
+    url = a["persist_url"]
+    assert sorted(os.listdir(os.path.join(url, a["run"]))) == ["step-00000090"]
+    found, pointer = ray.get(task.remote(spec, "fitC", pointer, [110]))
+    assert found == 100 and pointer["earlier"] == [b, a["run"]], pointer
+    assert _persisted(spec, [b, c]) == {b: [100], c: [110]} and sorted(os.listdir(url)) == [b, c]
+
+    # the resumed fit restored (from memory) a step older than one the earlier fit persisted
+    spec = job(data, tmp_path, "newer", checkpoint={"persist_every": 1})
+    a = _earlier_fit(spec, "fitA", [120])
+    found, _ = ray.get(task.remote(spec, "fitB", {**a, "step": 100, "complete_step": 100}, [110],
+                                   ((a["run"], 100),)))
+    assert found == 100 and _persisted(spec, [a["run"]]) == {a["run"]: [120]}
+
+    # run `copy` (a copy of run `original`'s directory) resumes from the original's checkpoint
+    shared = str(tmp_path / "shared")
+    original = job(data, tmp_path, "original", checkpoint={"persist_url": shared, "persist_every": 1})
+    copy = job(data, tmp_path, "copy", checkpoint={"persist_url": shared, "persist_every": 1})
+    a = _earlier_fit(original, "fitA", [90, 100])
+    found, pointer = ray.get(task.remote(copy, "fitB", a, [110, 120]))
+    assert found == 100 and pointer["earlier"] == [], pointer
+    assert _persisted(original, [a["run"]]) == {a["run"]: [90, 100]}, "the original keeps its checkpoints"
+
+
 @pytest.mark.chaos
 @pytest.mark.slow
 def test_killed_worker_resumes_exactly_then_on_one_worker(cluster, tiny_dataset, tmp_path):
@@ -691,3 +794,6 @@ def test_zero3_resumes_on_fewer_workers_via_universal_checkpoint(cluster, tiny_d
     # every rank's ZeRO-3 partitions, merged: the parameters are exactly those the first run ended with
     assert second["restored_param_digest"] == first["param_digest"]
     assert first["restored_param_digest"] is None
+    # keep_persisted (2 now) counts the run's persisted steps over its fits: the second one's 7
+    # and the first one's 6 (its 4 is removed)
+    assert second["checkpoint"]["persisted_steps"] == [7] and sorted(persisted.complete_steps()) == [6]

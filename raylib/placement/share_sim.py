@@ -45,7 +45,7 @@ from raylib.placement.sharing import (
 __all__ = [
     "ALIBABA_MACHINE_SPEC", "OPENB_NODE_TYPES", "ShareResult", "Task", "cluster_from_machine_spec",
     "compare_sharing", "free_pieces", "offered_load", "openb_cluster", "saturate", "simulate_sharing",
-    "stranding_floor", "synthetic_sharing_trace", "uniform_cluster",
+    "stranding_floor", "stranding_optimum", "synthetic_sharing_trace", "uniform_cluster",
 ]
 
 ALIBABA_MACHINE_SPEC = (Path(__file__).resolve().parents[3] / "shared" / "traces" / "alibaba_gpu_v2020"
@@ -279,6 +279,68 @@ def stranding_floor(tasks: Sequence[Task], capacity: float) -> dict:
                 best = {"floor_gpus": v, "tau": tau, "lam": lam}
     return {**best, "floor": best["floor_gpus"] / capacity, "if_all_placed_gpus": all_placed,
             "if_all_placed": all_placed / capacity}
+
+
+OPTIMUM_GRID = 0.01
+"""GPUs: the step of `stranding_optimum`'s device model (the openb fractions are hundredths)."""
+
+
+def stranding_optimum(tasks: Sequence[Task], capacity: float, *, time_limit_s: float = 60.0) -> dict:
+    """The least GPU capacity ANY placement of `tasks` (online or offline, any order, any policy)
+    can leave unallocated on `capacity` GPUs, with CPUs, memory and node boundaries set aside:
+    each of those only adds to it. Tighter than `stranding_floor`, which it never goes below.
+
+    Device-level bin packing, solved exactly as an integer arc-flow program (Valerio de Carvalho,
+    Annals of OR 1999) by HiGHS through scipy.optimize.milp: a device is a path from 0 to 1 GPU in
+    steps of OPTIMUM_GRID; a worker of fraction g is an arc of g (rounded down to the grid, which
+    only loosens the packing: still a lower bound), a whole-GPU worker's every GPU an arc 0 -> 1,
+    an unused step a loss arc. Maximise the GPUs carried by at most as many arcs of each size as
+    such workers arrived, over `capacity` paths. Unallocated = capacity - that.
+
+    Returns optimum_gpus, optimum (share of capacity) and exact (False: the solver stopped at
+    time_limit_s, and optimum is its proven bound, still a lower bound)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_array
+
+    if capacity <= 0:
+        raise ValueError(f"capacity must be > 0 GPUs, got {capacity}")
+    steps = round(1 / OPTIMUM_GRID)
+    sizes: Counter[tuple[int, float]] = Counter()  # (arc length in steps, GPUs) -> workers
+    for t in tasks:
+        r = t.request
+        if r.fraction:
+            sizes[(int(r.gpu / OPTIMUM_GRID + EPS), r.gpu)] += r.count
+        elif r.gpu >= 1:
+            sizes[(steps, 1.0)] += r.whole * r.count
+    kinds = sorted(sizes)
+    arcs = [(i, k) for k, (length, _) in enumerate(kinds) for i in range(steps - length + 1)]
+    arcs += [(i, None) for i in range(steps)]  # loss arcs: an unused step
+    rows, cols, vals, gain = [], [], [], np.zeros(len(arcs))
+    for j, (i, k) in enumerate(arcs):
+        end = i + (kinds[k][0] if k is not None else 1)
+        rows += [i, end]
+        cols += [j, j]
+        vals += [-1.0, 1.0]  # flow out of step i, into step `end` (a zero-length arc cancels out)
+        if k is not None:
+            rows.append(steps + 1 + k)
+            cols.append(j)
+            vals.append(1.0)
+            gain[j] = kinds[k][1]
+    n_rows = steps + 1 + len(kinds)
+    a = coo_array((vals, (rows, cols)), shape=(n_rows, len(arcs))).tocsr()
+    devices = float(int(round(capacity)))
+    lo, hi = np.zeros(n_rows), np.zeros(n_rows)
+    lo[0] = hi[0] = -devices  # every device's path leaves 0 ...
+    lo[steps] = hi[steps] = devices  # ... and ends at 1 GPU
+    hi[steps + 1:] = [sizes[kind] for kind in kinds]
+    res = milp(-gain, constraints=LinearConstraint(a, lo, hi), integrality=np.ones(len(arcs)),
+               bounds=Bounds(0, np.inf), options={"time_limit": time_limit_s, "disp": False})
+    if res.status not in (0, 1) or res.mip_dual_bound is None:
+        raise RuntimeError(f"the packing program found no bound: {res.message}")
+    exact = res.status == 0
+    packed = -res.fun if exact else -res.mip_dual_bound
+    optimum = max(0.0, capacity - packed)
+    return {"optimum_gpus": optimum, "optimum": optimum / capacity, "exact": exact}
 
 
 # -- event-driven simulation -------------------------------------------------------------------

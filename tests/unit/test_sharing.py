@@ -18,6 +18,7 @@ from raylib.placement.share_sim import (
     saturate,
     simulate_sharing,
     stranding_floor,
+    stranding_optimum,
     synthetic_sharing_trace,
     uniform_cluster,
 )
@@ -411,6 +412,46 @@ def test_stranding_floor_is_the_least_any_placement_can_leave_on_hand_made_arriv
     assert f["if_all_placed_gpus"] == pytest.approx(all_placed)
     with pytest.raises(ValueError, match="capacity"):
         stranding_floor(_tasks(gpus), 0)
+
+
+@pytest.mark.parametrize("gpus, capacity, optimum", [
+    # the floor's cases: the packing agrees where that argument is the whole story
+    ([0.75] * 4, 4, 1.0),
+    ([0.6, 0.6, 1.0], 2, 0.4),
+    # nothing above half a GPU, so no floor, but three 0.4s cannot fill one device
+    ([0.4, 0.4, 0.4], 1, 0.2),
+    # first fit in this order strands 0.3 (0.5 + 0.3, 0.3 + 0.2 + 0.2 + 0.5 does not fit): the
+    # best packing is 0.5 + 0.3 + 0.2 twice, nothing left
+    ([0.5, 0.3, 0.3, 0.2, 0.2, 0.5], 2, 0.0),
+    # a worker of several GPUs counts each (2 + 0.5 on 3 GPUs: 0.5 left)
+    ([2.0, 0.5], 3, 0.5),
+    # thirds are rounded down to the grid for the packing (a looser packing: still a lower bound)
+    # and counted at their size as Ray holds it (0.3333: 0.0001 of the device is left)
+    ([1 / 3] * 3, 1, 1e-4),
+])
+def test_stranding_optimum_is_the_best_packing_of_hand_made_arrivals(gpus, capacity, optimum):
+    o = stranding_optimum(_tasks(gpus), capacity)
+    assert o["exact"] and o["optimum_gpus"] == pytest.approx(optimum, abs=1e-6)
+    assert o["optimum"] == pytest.approx(optimum / capacity, abs=1e-6)
+    with pytest.raises(ValueError, match="capacity"):
+        stranding_optimum(_tasks(gpus), 0)
+
+
+def test_no_policy_strands_less_than_the_optimum_which_is_above_the_floor():
+    for seed in (4, 5):
+        d = Devices(*uniform_cluster(6))
+        tasks = synthetic_sharing_trace(200, seed=seed)
+        arrived, demand = [], 0.0
+        for t in tasks:
+            arrived.append(t)
+            demand += t.request.total_gpu
+            if demand >= d.total_gpus:
+                break
+        floor = stranding_floor(arrived, d.total_gpus)["floor"]
+        o = stranding_optimum(arrived, d.total_gpus)
+        assert o["exact"] and o["optimum"] >= floor - 1e-9
+        stranded = {p: saturate(tasks, d, p)["stranded"] for p in POLICIES}
+        assert min(stranded.values()) >= o["optimum"] - 1e-9, (seed, o, stranded)
 
 
 def test_no_policy_strands_less_than_the_floor_on_a_synthetic_trace():

@@ -38,9 +38,9 @@ class GangSchedulerActor:
         from raylib.placement.topology import Topology
 
         self.resource = resource
-        # a node hosts at most one rank per CPU (a rank's bundle is {CPU: 1, GPU: 1} by default;
-        # jobs asking for more CPUs per rank can still wait on Ray: the reservation timeout says so)
-        self.topology = Topology.from_ray_nodes(ray.nodes(), resource=resource)
+        # every node's CPUs and memory: the queue counts each job's own CPUs (and memory) per rank
+        # against them, so no cap of one rank per CPU is set here (cpus_per_rank=None)
+        self.topology = Topology.from_ray_nodes(ray.nodes(), resource=resource, cpus_per_rank=None)
         self.queue = GangQueue(self.topology, Policy(**(policy or {})), on_preempt=self._on_preempt)
         self.groups: dict[str, Any] = {}  # job id -> placement group of its reservation
         self.status: dict[str, dict[str, Any]] = {}
@@ -56,14 +56,15 @@ class GangSchedulerActor:
     def submit(self, job_id: str, parallelism: dict[str, Any], priority: int = 0,
                tenant: str = "default", timeout_s: float | None = None,
                duration_s: float | None = None, sizes: tuple[int, ...] = (), share: float = 1.0,
-               cpus: float = 1.0, workload: str = "compute") -> None:
-        """Queue a job; raises PlacementError at once if it could never fit this cluster.
-        sizes: an elastic job's world sizes; share: each worker's share of one accelerator."""
+               cpus: float = 1.0, workload: str = "compute", memory: float = 0.0) -> None:
+        """Queue a job; raises PlacementError at once if it could never fit this cluster (its
+        accelerators, or its CPUs / memory GiB per worker). sizes: an elastic job's world sizes;
+        share: each worker's share of one accelerator."""
         with self.lock:
             job = Job(id=job_id, parallelism=Parallelism(**parallelism), tenant=tenant,
                       priority=priority, submit_time=self._now(), timeout=timeout_s,
                       duration_estimate=duration_s, sizes=tuple(sizes), share=share, cpus=cpus,
-                      workload=workload)
+                      workload=workload, memory=memory)
             self.queue.submit(job)
             self.status[job_id] = {"state": "queued", "reason": None, "preemptions": 0}
         self._wake.set()
@@ -189,7 +190,8 @@ class GangSchedulerActor:
             if pg.wait(timeout_seconds=0):
                 st["state"] = "ready"
             elif job.timeout is not None and self._now() - st["since"] > job.timeout:
-                # The plan fits the accelerators but Ray cannot place a bundle (CPU, memory...).
+                # The plan fits the accelerators, CPUs and memory the queue counts, but Ray cannot
+                # place a bundle (Ray work outside the gang scheduler holds what it needs).
                 self.release(job_id)
                 st.update(state="timed_out", reason=(
                     f"its placement group stayed pending for {job.timeout:g}s: a node chosen "
@@ -271,20 +273,22 @@ class Reservation:
 
 def reserve(job_id: str, parallelism: Parallelism, *, priority: int = 0, tenant: str = "default",
             timeout_s: float | None = None, actor=None, poll_s: float = TICK_S, sizes: tuple[int, ...] = (),
-            share: float = 1.0, cpus: float = 1.0, workload: str = "compute") -> Reservation:
+            share: float = 1.0, cpus: float = 1.0, workload: str = "compute",
+            memory: float = 0.0) -> Reservation:
     """Queue `job_id` and block until its placement group is ready (all or nothing).
 
-    Raises PlacementError when the job can never fit, or when `timeout_s` passes first — the
-    message says which constraint could not be met. An elastic job (`sizes`) gets the largest of
-    its sizes that fits: `Reservation.plan.parallelism` says which. A resubmission of a job id that is queued
-    after a preemption waits for the same queue entry.
+    Raises PlacementError when the job can never fit (accelerators, or `cpus` / `memory` GiB per
+    worker), or when `timeout_s` passes first — the message says which constraint could not be met.
+    An elastic job (`sizes`) gets the largest of its sizes that fits: `Reservation.plan.parallelism`
+    says which. A resubmission of a job id that is queued after a preemption waits for the same
+    queue entry.
     """
     import ray
 
     actor = actor or scheduler()
     if job_id not in ray.get(actor.jobs.remote()):
         ray.get(actor.submit.remote(job_id, parallelism.model_dump(), priority, tenant, timeout_s, None,
-                                    sizes, share, cpus, workload))
+                                    sizes, share, cpus, workload, memory))
     else:  # queued again after a preemption, and its workers have stopped
         ray.get(actor.acknowledge.remote(job_id))
     while True:

@@ -17,6 +17,9 @@ dp x pp grid fills them, and a swap/move local search (bounded by time_budget_s)
 The PACK baseline — our model of Ray's PACK: ranks in order onto the free accelerators in node
 order, blind to islands and switches — seeds the search too, so a plan never costs more than a
 PACK placement that happens to keep its tp groups whole.
+
+Per-node limits bind every strategy alike: `Parallelism.ranks_per_node`, and `node_ranks` (the
+ranks each node's free CPUs and memory can host, which the gang queue passes per job).
 """
 
 from __future__ import annotations
@@ -252,22 +255,24 @@ def plan(
     cpus_per_rank: float = 1.0,
     baseline: bool = True,
     time_budget_s: float = 0.5,
+    node_ranks: np.ndarray | None = None,
+    memory_per_rank: float = 0.0,
 ) -> PlacementPlan:
     """Place `parallelism` on the free accelerators of `topology` (or `free`: {node: per island
     or total}, or an array per global island); raises PlacementError naming the constraint that
-    cannot be met."""
+    cannot be met. node_ranks: at most this many ranks on each node (topology.nodes order; inf:
+    no limit), e.g. what its free CPUs hold. cpus_per_rank, memory_per_rank (GiB): each bundle's."""
     t0 = time.perf_counter()
     traffic = traffic or Traffic()
     fa = free_array(topology, free)
-    ranks = assign(topology, parallelism, fa, traffic, strategy, time_budget_s)
-    base = placement_cost(topology, parallelism, _pack(topology, parallelism, fa), traffic) \
-        if baseline else None
+    ranks = assign(topology, parallelism, fa, traffic, strategy, time_budget_s, node_ranks)
+    base = placement_cost(topology, parallelism, _pack(topology, parallelism, fa, node_ranks),
+                          traffic) if baseline else None
     cost = placement_cost(topology, parallelism, ranks, traffic)
     idx = topology.index
     nodes = idx.island_node[ranks]
     rank_node = [topology.nodes[i].id for i in nodes]
-    bundle = {"CPU": 1.0} if topology.resource == "CPU" else \
-        {"CPU": float(cpus_per_rank), topology.resource: 1.0}
+    bundle = rank_bundle(topology.resource, cpus_per_rank, memory_per_rank)
     return PlacementPlan.model_construct(  # built from validated inputs: skip re-validation
         parallelism=parallelism, strategy=strategy, topology=topology.name,
         levels=topology.level_names, rank_node=rank_node,
@@ -286,12 +291,25 @@ def assign(
     traffic: Traffic | None = None,
     strategy: Literal["topology", "pack"] = "topology",
     time_budget_s: float = 0.5,
+    node_ranks: np.ndarray | None = None,
 ) -> np.ndarray:
     """The bare placement behind plan(): the global island of each rank (no plan object).
     time_budget_s=0: only the hierarchical best-fit choice of islands, in address order."""
     if strategy == "pack":
-        return _pack(topology, parallelism, free)
-    return _Search(topology, parallelism, free, traffic or Traffic(), time_budget_s).run()
+        return _pack(topology, parallelism, free, node_ranks)
+    return _Search(topology, parallelism, free, traffic or Traffic(), time_budget_s, node_ranks).run()
+
+
+def rank_bundle(resource: str, cpus: float, memory_gib: float = 0.0,
+                accelerators: float = 1.0) -> dict[str, float]:
+    """One rank's placement-group bundle: its CPUs and `accelerators` of `resource`, and its memory
+    in bytes when it asks for some. On a CPU topology the CPUs are the accelerators: a rank holds
+    one of them at least (what the queue counts), or its CPUs."""
+    out = {"CPU": max(float(cpus), float(accelerators))} if resource == "CPU" else \
+        {"CPU": float(cpus), resource: float(accelerators)}
+    if memory_gib > 0:
+        out["memory"] = float(round(memory_gib * 2**30))
+    return out
 
 
 def free_array(topology: Topology, free: FreeMap | None = None) -> np.ndarray:
@@ -322,26 +340,66 @@ def free_array(topology: Topology, free: FreeMap | None = None) -> np.ndarray:
     return out
 
 
-def capacity(topology: Topology, parallelism: Parallelism, free: np.ndarray) -> int:
+def rank_limit(topology: Topology, parallelism: Parallelism,
+               node_ranks: np.ndarray | None = None) -> np.ndarray | None:
+    """Most ranks each node may host (None: no limit): ranks_per_node and node_ranks together."""
+    limit = None
+    if parallelism.ranks_per_node is not None:
+        limit = np.full(len(topology.nodes), float(parallelism.ranks_per_node))
+    if node_ranks is not None:
+        node_ranks = np.asarray(node_ranks, dtype=float)
+        if node_ranks.shape != (len(topology.nodes),):
+            raise PlacementError(f"node_ranks: expected one limit per node ({len(topology.nodes)}), "
+                                 f"got shape {node_ranks.shape}")
+        limit = node_ranks if limit is None else np.minimum(limit, node_ranks)
+    return limit
+
+
+def capacity(topology: Topology, parallelism: Parallelism, free: np.ndarray,
+             node_ranks: np.ndarray | None = None) -> int:
     """How many tp groups (cells) of `parallelism` fit on `free` (per global island)."""
     cells = free // parallelism.tp
-    if parallelism.ranks_per_node is None:
+    limit = rank_limit(topology, parallelism, node_ranks)
+    if limit is None:
         return int(cells.sum())
     per_node = np.bincount(topology.index.island_node, weights=cells,
                            minlength=len(topology.nodes))
-    return int(np.minimum(per_node, parallelism.ranks_per_node // parallelism.tp).sum())
+    return int(np.minimum(per_node, np.floor(limit / parallelism.tp)).sum())
 
 
-def check(topology: Topology, parallelism: Parallelism, free: np.ndarray) -> None:
+def fits(topology: Topology, parallelism: Parallelism, free: np.ndarray,
+         strategy: Literal["topology", "pack"] = "topology",
+         node_ranks: np.ndarray | None = None) -> bool:
+    """Whether `parallelism` can be placed on `free` by `strategy` (what check() raises for)."""
+    par = parallelism
+    if strategy == "pack":
+        return int(_pack_room(topology, par, free, node_ranks).sum()) >= par.world
+    return par.tp <= topology.max_island and \
+        capacity(topology, par, free, node_ranks) >= par.dp * par.pp
+
+
+def check(topology: Topology, parallelism: Parallelism, free: np.ndarray,
+          strategy: Literal["topology", "pack"] = "topology",
+          node_ranks: np.ndarray | None = None) -> None:
     """Raise PlacementError (naming the constraint) unless `parallelism` fits on `free`."""
     par, t = parallelism, parallelism.tp
     need = par.dp * par.pp
+    limits = (f", at most {par.ranks_per_node} ranks per node" if par.ranks_per_node else "") + \
+        (", no more ranks on a node than its free CPUs and memory hold" if node_ranks is not None
+         else "")
+    if strategy == "pack":
+        have = int(_pack_room(topology, par, free, node_ranks).sum())
+        if have >= par.world:
+            return
+        within = f", {have} of them within those limits" if limits else ""
+        raise PlacementError(f"{par} needs {par.world} free accelerators{limits}; "
+                             f"{int(free.sum())} are free{within}")
     if t > topology.max_island:
         raise PlacementError(
             f"tp={t} needs {t} accelerators in one NVLink island (hard constraint); the largest "
             f"island in {topology.name} has {topology.max_island}"
         )
-    have = capacity(topology, par, free)
+    have = capacity(topology, par, free, node_ranks)
     if have >= need:
         return
     largest = int(free.max(initial=0))
@@ -350,9 +408,8 @@ def check(topology: Topology, parallelism: Parallelism, free: np.ndarray) -> Non
             f"tp={t} needs {t} free accelerators in one NVLink island; the largest free island "
             f"block is {largest}"
         )
-    rpn = f", at most {par.ranks_per_node} ranks per node" if par.ranks_per_node else ""
     raise PlacementError(
-        f"{par} needs {need} tp groups of {t} accelerators, each inside one NVLink island{rpn}; "
+        f"{par} needs {need} tp groups of {t} accelerators, each inside one NVLink island{limits}; "
         f"the free capacity holds {have} ({int(free.sum())} accelerators free, largest free "
         f"island block {largest})"
     )
@@ -401,13 +458,27 @@ def _level_costs(topology: Topology) -> tuple[np.ndarray, np.ndarray]:
     return eff_bw, eff_lat
 
 
-def _pack(topology: Topology, par: Parallelism, free: np.ndarray) -> np.ndarray:
-    """Ray PACK without topology: ranks in order onto free accelerators in node order."""
-    if free.sum() < par.world:
-        raise PlacementError(
-            f"{par} needs {par.world} free accelerators; {int(free.sum())} are free"
-        )
-    return np.repeat(np.arange(len(free)), free)[: par.world]
+def _pack(topology: Topology, par: Parallelism, free: np.ndarray,
+          node_ranks: np.ndarray | None = None) -> np.ndarray:
+    """Ray PACK without topology: ranks in order onto free accelerators in node order (at most
+    the per-node limit on each node)."""
+    room = _pack_room(topology, par, free, node_ranks)
+    if room.sum() < par.world:
+        check(topology, par, free, "pack", node_ranks)  # raises, naming the constraint
+    return np.repeat(np.arange(len(free)), room)[: par.world]
+
+
+def _pack_room(topology: Topology, par: Parallelism, free: np.ndarray,
+               node_ranks: np.ndarray | None = None) -> np.ndarray:
+    """The free accelerators (per global island) PACK may fill: all of them, or on each node only
+    its per-node limit of ranks, taken island by island."""
+    limit = rank_limit(topology, par, node_ranks)
+    if limit is None:
+        return free
+    node = topology.index.island_node
+    before = np.cumsum(free) - free  # free accelerators ahead of each island ...
+    before = before - before[topology.index.island_base[node]]  # ... on its own node
+    return np.clip(np.minimum(limit[node] - before, free), 0, None).astype(np.int64)
 
 
 # -- the search ---------------------------------------------------------------------------------
@@ -429,9 +500,9 @@ class _Search:
     """Cells (tp groups, index d * pp + p) onto slots (islands with room for a cell)."""
 
     def __init__(self, topo: Topology, par: Parallelism, free: np.ndarray, traffic: Traffic,
-                 budget_s: float):
-        check(topo, par, free)
-        self.topo, self.par, self.free = topo, par, free
+                 budget_s: float, node_ranks: np.ndarray | None = None):
+        check(topo, par, free, node_ranks=node_ranks)
+        self.topo, self.par, self.free, self.node_ranks = topo, par, free, node_ranks
         self.deadline = time.perf_counter() + budget_s
         self.quick = budget_s <= 0
         self.n = par.dp * par.pp
@@ -441,9 +512,12 @@ class _Search:
         idx = topo.index
         self.slot_node = idx.island_node[self.slots]
         node_cap = np.bincount(self.slot_node, weights=self.cap, minlength=len(topo.nodes))
-        if par.ranks_per_node is not None:
-            node_cap = np.minimum(node_cap, par.ranks_per_node // par.tp)
+        limit = rank_limit(topo, par, node_ranks)
+        if limit is not None:
+            node_cap = np.minimum(node_cap, np.floor(limit / par.tp))
         self.node_cap = node_cap.astype(np.int64)
+        if (self.node_cap[self.slot_node] == 0).any():  # islands of nodes that may host no cell
+            self._restrict(np.flatnonzero(self.node_cap[self.slot_node] > 0))
         if self.n == 1:
             return
         bw, lat = _level_costs(topo)
@@ -546,7 +620,7 @@ class _Search:
     def _pack_seed(self) -> np.ndarray | None:
         """PACK's placement as cells, when it keeps every tp group inside one island."""
         par = self.par
-        g = _pack(self.topo, par, self.free).reshape(self.n, par.tp)
+        g = _pack(self.topo, par, self.free, self.node_ranks).reshape(self.n, par.tp)
         if (g != g[:, :1]).any():
             return None
         pos = {int(s): i for i, s in enumerate(self.slots)}

@@ -27,6 +27,14 @@ own workload kind (co-location: an io-bound sharer beside compute-bound ones). P
 devices, not jobs: a higher-priority sharer may take a device share from lower-priority sharers or
 whole-GPU jobs, and a whole-GPU job may free a device that lower-priority sharers hold. A
 backfilled sharer leaves the head's reserved devices alone.
+
+CPUs and memory: every rank (whole or shared) holds its job's `cpus` (and `memory`) on its node, in
+the same device-level state (`sharing.Devices` counts them per node, from `Node.cpus` and
+`Node.memory`). A whole-accelerator job is planned with at most as many ranks on each node as its
+free CPUs and memory hold (`node_ranks`), so a job is never started where Ray could not place it;
+reservations for the blocked head hold its CPUs too, and a job whose workers no node (or the whole
+cluster) could ever host is refused at submit, naming the field. `Parallelism.ranks_per_node`
+caps every placement (topology, pack and shared) likewise.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from __future__ import annotations
 import bisect
 import enum
 import itertools
+import math
 import numbers
 from collections import Counter, deque
 from collections.abc import Callable
@@ -49,23 +58,24 @@ from raylib.placement.planner import (
     PlacementPlan,
     Traffic,
     assign,
-    capacity,
     check,
+    fits,
     free_array,
     plan,
+    rank_bundle,
 )
 from raylib.placement.sharing import EPS, POLICIES, RAY_UNIT_SCALING, Devices, Mix, Request, Slot, ray_units
 from raylib.placement.topology import Topology
 
 MIX_WINDOW = 200  # requests (per-worker shapes) the FGD mix is learned from
-RANK = 1.0  # what a rank takes of a device state's "CPUs", which count ranks (see _empty_devices)
 
 
 class Policy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     placement: str = Field("topology", pattern="^(topology|pack)$")
-    """topology: the planner's search; pack: Ray's PACK order (no topology, no tp constraint)."""
+    """topology: the planner's search; pack: Ray's PACK order (no topology, no tp constraint; still
+    at most ranks_per_node, and what the CPUs hold, on a node)."""
     priorities: bool = True
     """Order the queue by priority (then submit time); False: by submit time only (FIFO)."""
     preemption: bool = True
@@ -116,9 +126,11 @@ class Job:
     share: float = 1.0
     """Each worker's share of one accelerator (< 1: placed on shared devices, see `sharing`)."""
     cpus: float = 1.0
-    """CPUs per worker: each bundle asks Ray for them, and Ray's placement group checks them (the
-    topology has no CPU counts). The queue counts ranks instead: a node short of CPUs hosts at most
-    its `usable` ranks, whole or shared."""
+    """CPUs per worker: each bundle asks Ray for them, and the queue counts them against each node's
+    CPUs (`Node.cpus`; a node without a CPU count whose `usable` is below its accelerators counts
+    `usable` CPUs: one per rank, as Topology.from_ray_nodes assumes by default)."""
+    memory: float = 0.0
+    """GiB of memory per worker (0: none asked): in each bundle, counted against `Node.memory`."""
     workload: str = "compute"
     """compute or io: a shared device prefers sharers of the other kind (co-location)."""
     _seq: int = field(default=0, repr=False)
@@ -145,6 +157,11 @@ class Job:
                              f"{1 / RAY_UNIT_SCALING:g}; use at least that")
         # what Ray will hold (its fixed point), so quotas, bundles and placement agree
         self.share = 1.0 if v >= 1 - EPS else ray_units(v) / RAY_UNIT_SCALING
+        for name in ("cpus", "memory"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"job {self.id!r}: {name}={v!r} per worker must be a finite number >= 0")
+            setattr(self, name, round(float(v), 6))  # as sharing.Request holds it
 
     @property
     def gpus(self) -> int:
@@ -219,6 +236,11 @@ class GangQueue:
         self._use: dict[str, np.ndarray] = {}  # accelerators per global island of running jobs
         # device level, for shared accelerators: every running job's slots on `devices`
         self.devices = self._empty_devices()
+        self._spare_now: tuple[int, np.ndarray] | None = None  # (version, _spare())
+        self._spare_total = self._spare(self.devices)  # every node's CPUs and memory
+        self._counted = np.isfinite(self._spare_total).any(axis=1).tolist()  # counted anywhere?
+        self._any_counted = any(self._counted)
+        self._spare_use: dict[str, np.ndarray] = {}  # CPUs and memory per node of running jobs
         self._slots: dict[str, list[Slot]] = {}
         self._recent: deque[Request] = deque(maxlen=MIX_WINDOW)
         self._mix: Mix | None = None  # Mix.of(_recent), built on first use after a submit
@@ -233,7 +255,7 @@ class GangQueue:
         """Queue a job; raises PlacementError if it cannot fit even on the whole empty cluster."""
         if job.id in self.jobs:
             raise ValueError(f"job id {job.id!r} already submitted")
-        problem = self._unfit(job, self._all_up(), job.smallest)
+        problem = self._unfit(job, job.smallest, empty=True)
         if problem:
             short = [n for n in self.topology.nodes if n.usable is not None and n.usable < n.gpus]
             if short:
@@ -243,7 +265,8 @@ class GangQueue:
             raise PlacementError(f"job {job.id!r}: {problem}")
         job._seq = next(self._seq)
         self.jobs[job.id] = job
-        self._recent.append(Request(gpu=min(job.share, 1.0), count=job.smallest.world, cpu=RANK))
+        self._recent.append(Request(gpu=min(job.share, 1.0), count=job.smallest.world, cpu=job.cpus,
+                                    mem=job.memory))
         self._mix = None
         self._enqueue(job, job.submit_time)
 
@@ -297,20 +320,21 @@ class GangQueue:
             if self._over_quota(job):
                 continue
             if head is None:
-                if self._try_start(job, now, self.free, out):
+                if self._try_start(job, now, self.free, self._spare(), out):
                     continue
                 if self.policy.preemption and self._preempt_for(job, now, out):
                     continue
                 head = job
                 if not self.policy.backfill:
                     break
-                shadow, reserved, hide = self._reservation(job, now)
-                bf_free, bf_version, free_total = self.free, -1, 0
+                shadow, reserved, reserved_spare, hide = self._reservation(job, now)
+                bf_version, free_total = -1, 0
                 if shadow is None:
                     break  # the head's start cannot be estimated: backfill only if provably safe
                 continue
-            if bf_version != self._version:
+            if bf_version != self._version:  # what backfill may use: all but the head's reservation
                 bf_free, bf_version = np.clip(self.free - reserved, 0, None), self._version
+                bf_spare = np.clip(self._spare() - reserved_spare, 0, None)
                 free_total = int(self.free.sum())
             if job.share >= 1 and job.smallest.world > free_total:
                 if free_total == 0 and not any(j.share < 1 for _, j in self._queue):
@@ -318,13 +342,13 @@ class GangQueue:
                 continue
             end = now + job.duration_estimate if job.duration_estimate is not None else None
             if end is not None and end <= shadow:
-                self._try_start(job, now, self.free, out)
-            else:  # must leave the head's reserved accelerators alone
-                self._try_start(job, now, bf_free, out, hide)
+                self._try_start(job, now, self.free, self._spare(), out)
+            else:  # must leave the head's reserved accelerators, CPUs and memory alone
+                self._try_start(job, now, bf_free, bf_spare, out, hide)
         if not self._queue:
-            self._grow(now, out, None)
+            self._grow(now, out, None, None)
         elif reserved is not None and self.policy.backfill:  # grow into what the head does not need
-            self._grow(now, out, reserved, hide)
+            self._grow(now, out, reserved, reserved_spare, hide)
         for _, job in list(self._queue):
             if job.timeout is not None and now - job.queued_at >= job.timeout:
                 reason = self.why_waiting(job)
@@ -335,14 +359,14 @@ class GangQueue:
 
     def why_waiting(self, job: Job) -> str:
         """The first constraint that keeps a queued job from starting."""
-        problem = self._unfit(job, self._all_up(), job.smallest)
+        problem = self._unfit(job, job.smallest, empty=True)
         if problem:
             return f"cannot be placed even on the empty cluster: {problem}"
         if self._over_quota(job):
             return (f"tenant {job.tenant!r} quota: {self._tenant_use.get(job.tenant, 0):g} of "
                     f"{self._quota(job.tenant)} accelerators in use, the job needs "
                     f"{self._held(job, job.smallest):g}")
-        problem = self._unfit(job, self.free, job.smallest)
+        problem = self._unfit(job, job.smallest, empty=False)
         if problem:
             return f"not enough free capacity: {problem}"
         return "waiting behind higher-priority jobs (starting it would delay the head)"
@@ -402,57 +426,126 @@ class GangQueue:
         # rounded: shares are multiples of Ray's 1e-4, so sums stay exact instead of drifting
         self._tenant_use[tenant] = round(self._tenant_use.get(tenant, 0) + amount, 6)
 
-    def _unfit(self, job: Job, free: np.ndarray, par: Parallelism | None = None) -> str | None:
-        """Why `job` (at shape `par`) does not fit on `free` under this policy's placement, or None."""
-        par = par or job.parallelism
+    def _unfit(self, job: Job, par: Parallelism, empty: bool) -> str | None:
+        """Why `job` at shape `par` does not fit under this policy's placement, on the idle cluster
+        (empty) or on what is free now, or None."""
+        if empty:
+            problem = self._never_hosted(job, par)
+            if problem:
+                return problem
+            free, spare = self._all_up(), self._spare_total
+        else:
+            free, spare = self.free, self._spare()
         if job.share < 1:
-            if self._place_shared(job, free, par, empty=free is not self.free) is not None:
+            devices = self._empty_devices() if empty else self._view(free, spare)
+            if self._place_shared(job, par, devices) is not None:
                 return None
-            return (f"{par.world} worker(s) x {job.share:g} of an accelerator (and {job.cpus:g} CPU each) "
-                    f"do not fit on the devices' free shares")
-        if self.policy.placement == "pack":
-            have = int(free.sum())
-            return None if have >= par.world else \
-                f"{par} needs {par.world} free accelerators; {have} are free"
+            problem = (f"{par.world} worker(s) x {job.share:g} of an accelerator (and {self._asks(job)} "
+                       f"each) do not fit on the devices' free shares")
+            without = devices.copy()
+            without.cpu_free[:], without.mem_free[:] = np.inf, np.inf
+            return problem + (self._short_note(job) if self._place_shared(job, par, without) else "")
+        ranks = self._node_ranks(job, spare)
         try:
-            check(self.topology, par, free)
+            check(self.topology, par, free, self.policy.placement, ranks)
         except PlacementError as e:
-            return str(e)
+            short = ranks is not None and fits(self.topology, par, free, self.policy.placement)
+            return str(e) + (self._short_note(job) if short else "")
         return None
 
-    def _fits(self, job: Job, free: np.ndarray, par: Parallelism | None = None, hide=()) -> bool:
-        """Whether `job` fits on `free` at shape `par` (default: its smallest); hide: partly used
-        devices out of reach (kept for a blocked shared head)."""
+    def _never_hosted(self, job: Job, par: Parallelism) -> str | None:
+        """A job whose CPUs (or memory) per worker no node, or not the whole cluster, has; None if
+        some node's are not counted (it might host anything)."""
+        up = np.array([n.id not in self.down for n in self.topology.nodes], dtype=bool)
+        for per, total, name, what in (
+                (job.cpus, self._spare_total[0], "cpus (scaling.cpus_per_worker)", "CPUs"),
+                (job.memory, self._spare_total[1], "memory", "GiB of memory")):
+            have = total[up]
+            if per <= 0 or not have.size or not np.isfinite(have).all():
+                continue
+            if per > have.max() + EPS:
+                return (f"{name}={per:g} per worker, but the largest node has {have.max():g} {what}: "
+                        f"no node can host one of its workers; ask for at most {have.max():g} per "
+                        "worker, or add larger nodes")
+            if par.world * per > have.sum() + EPS:
+                return (f"{par.world} workers x {name}={per:g} need {par.world * per:g} {what}, but the "
+                        f"cluster's nodes have {have.sum():g} in all; use fewer workers or fewer {what} "
+                        "per worker, or add nodes")
+        return None
+
+    @staticmethod
+    def _asks(job: Job) -> str:
+        return f"{job.cpus:g} CPU" + (f" and {job.memory:g} GiB of memory" if job.memory > 0 else "")
+
+    def _short_note(self, job: Job) -> str:
+        fix = "cpus (scaling.cpus_per_worker)" + (" or memory" if job.memory > 0 else "")
+        return (f"; its workers' {self._asks(job)} each are what is short (a node hosts only as many "
+                f"of them as its free CPUs and memory hold): lower {fix} per worker, or give the nodes "
+                "more")
+
+    def _node_ranks(self, job: Job, spare: np.ndarray) -> np.ndarray | None:
+        """How many of `job`'s ranks the spare CPUs and memory of each node hold (None: any)."""
+        if not self._any_counted:
+            return None
+        ranks = None
+        for row, per in enumerate((job.cpus, job.memory)):
+            if per > 0 and self._counted[row]:
+                r = np.floor(spare[row] / per + EPS)  # inf (not counted) stays inf
+                ranks = r if ranks is None else np.minimum(ranks, r)
+        return None if ranks is None else np.maximum(ranks, 0.0)
+
+    def _spare(self, devices: Devices | None = None) -> np.ndarray:
+        """Free CPUs and memory of each node, shape (2, nodes); inf where not counted. The queue's
+        own is cached per state (read-only)."""
+        if devices is not None:
+            return np.stack([devices.cpu_free, devices.mem_free])
+        if self._spare_now is None or self._spare_now[0] != self._version:
+            now = np.stack([self.devices.cpu_free, self.devices.mem_free])
+            now.flags.writeable = False
+            self._spare_now = (self._version, now)
+        return self._spare_now[1]
+
+    def _spare_of(self, slots: list[Slot]) -> np.ndarray:
+        """CPUs and memory that `slots` hold on each node, shape (2, nodes)."""
+        n, nodes = len(self.topology.nodes), np.array([s_.node for s_ in slots], dtype=np.int64)
+        return np.stack([np.bincount(nodes, weights=[s_.cpu for s_ in slots], minlength=n),
+                         np.bincount(nodes, weights=[s_.mem for s_ in slots], minlength=n)])
+
+    def _fits(self, job: Job, free: np.ndarray, spare: np.ndarray, par: Parallelism | None = None,
+              hide=()) -> bool:
+        """Whether `job` fits on `free` accelerators and `spare` CPUs and memory at shape `par`
+        (default: its smallest); hide: partly used devices out of reach (kept for a blocked shared
+        head)."""
         par = par or job.smallest
         if job.share < 1:
-            return self._place_shared(job, free, par, hide=hide) is not None
-        key = (free.tobytes(), par.dp * par.pp, par.tp, par.ranks_per_node)
+            return self._place_shared(job, par, self._view(free, spare, hide)) is not None
+        ranks = self._node_ranks(job, spare)
+        key = (free.tobytes(), None if ranks is None else ranks.tobytes(), par.dp * par.pp, par.tp,
+               par.ranks_per_node)
         hit = self._fit_cache.get(key)
         if hit is None:
-            if self.policy.placement == "pack":
-                hit = int(free.sum()) >= par.world
-            else:
-                hit = par.tp <= self.topology.max_island and capacity(
-                    self.topology, par, free) >= par.dp * par.pp
-            self._fit_cache[key] = hit
+            hit = self._fit_cache[key] = fits(self.topology, par, free, self.policy.placement, ranks)
         return hit
 
-    def _plan(self, job: Job, free: np.ndarray, par: Parallelism) -> PlacementPlan:
+    def _plan(self, job: Job, free: np.ndarray, spare: np.ndarray, par: Parallelism) -> PlacementPlan:
         return plan(self.topology, par, free=free,
                     traffic=job.traffic or self.traffic, strategy=self.policy.placement,
-                    **self.plan_options)
+                    cpus_per_rank=job.cpus, memory_per_rank=job.memory,
+                    node_ranks=self._node_ranks(job, spare), **self.plan_options)
 
-    def _try_start(self, job: Job, now: float, free: np.ndarray, out: list[Decision], hide=()) -> bool:
-        """Start `job` at the largest of its shapes that fits `free` (and its tenant's quota)."""
+    def _try_start(self, job: Job, now: float, free: np.ndarray, spare: np.ndarray, out: list[Decision],
+                   hide=()) -> bool:
+        """Start `job` at the largest of its shapes that fits `free` and `spare` (and its tenant's
+        quota)."""
         quota = self._quota(job.tenant)
         room = None if quota is None else quota - self._tenant_use.get(job.tenant, 0)
         par = next((s for s in job.shapes()
                     if (room is None or self._held(job, s) <= room + EPS)
-                    and self._fits(job, free, s, hide)), None)
+                    and self._fits(job, free, spare, s, hide)), None)
         if par is None:
             return False
-        slots = self._place_shared(job, free, par, hide=hide) if job.share < 1 else None
-        p = self._shared_plan(job, par, slots) if slots else self._plan(job, free, par)
+        slots = self._place_shared(job, par, self._view(free, spare, hide)) if job.share < 1 else None
+        p = self._shared_plan(job, par, slots) if slots else self._plan(job, free, spare, par)
         self._dequeue(job)
         job.parallelism = par
         self._take(job, p, slots)
@@ -476,7 +569,7 @@ class GangQueue:
             for node_id, isl in zip(p.rank_node, p.rank_island, strict=True):
                 pos = self.topology.node_position(node_id)
                 idle = np.flatnonzero((self._dev_island[pos] == isl) & (taken.free[pos] >= 1 - EPS))
-                slot = Slot(pos, (int(idle[0]),), 1.0, RANK, 0.0)
+                slot = Slot(pos, (int(idle[0]),), 1.0, job.cpus, job.memory)
                 taken.take([slot])
                 slots.append(slot)
             self.devices.take(slots)
@@ -485,6 +578,7 @@ class GangQueue:
             self.devices.take(slots)
             self._sync({s.node for s in slots})
         self._slots[job.id] = slots
+        self._spare_use[job.id] = self._spare_of(slots)
         for s_ in slots:
             self._kinds[s_.node][job.workload] += 1
         self._version += 1
@@ -494,6 +588,7 @@ class GangQueue:
         use[self._all_up() == 0] = 0  # what was on a dead node does not come back
         self.free += use
         slots = self._slots.pop(job.id)
+        del self._spare_use[job.id]
         self.devices.give(slots)
         for s_ in slots:
             self._kinds[s_.node][job.workload] -= 1
@@ -505,12 +600,17 @@ class GangQueue:
     # -- shared accelerators --------------------------------------------------------------------
 
     def _empty_devices(self) -> Devices:
-        """The idle devices. Their "CPUs" count ranks (RANK each): a node short of CPUs for a rank
-        per accelerator (`usable` < gpus) hosts at most `usable` ranks, shared ones too (a device
-        may hold several sharers, each a rank that needs its CPUs); other nodes: unlimited."""
-        return Devices([n.gpus for n in self.topology.nodes],
-                       cpus=[n.usable if n.usable is not None and n.usable < n.gpus else np.inf
-                             for n in self.topology.nodes])
+        """The idle devices, with every node's CPUs and memory (`Node.cpus`, `Node.memory`; not
+        counted: unlimited). A node without a CPU count that is short of CPUs for a rank per
+        accelerator (`usable` < gpus) has `usable` CPUs: one per rank, as from_ray_nodes assumes."""
+        def cpus(n) -> float:
+            if n.cpus is not None:
+                return n.cpus
+            return float(n.usable) if n.usable is not None and n.usable < n.gpus else np.inf
+
+        nodes = self.topology.nodes
+        return Devices([n.gpus for n in nodes], cpus=[cpus(n) for n in nodes],
+                       mem=[np.inf if n.memory is None else n.memory for n in nodes])
 
     def _sync(self, nodes: set[int]) -> None:
         """Whole-accelerator capacity of these nodes' islands: usable devices no job touches."""
@@ -524,19 +624,20 @@ class GangQueue:
             busy = np.bincount(self._dev_island[pos][devices.free[pos] < 1 - EPS],
                                minlength=len(node.islands))
             up = node.id not in self.down
-            ranks = devices.cpu_free[pos] / RANK + EPS  # ranks the node can still host (inf: any)
             for i, cap in enumerate(node.capacity):
-                out[base + i] = int(min(max(0, cap - int(busy[i])), ranks)) if up else 0
-                ranks -= out[base + i]
+                out[base + i] = max(0, cap - int(busy[i])) if up else 0
         return out
 
-    def _view(self, free: np.ndarray, hide=()) -> Devices:
-        """The devices as `free` sees them: idle devices beyond an island's count in `free`
-        (reserved for the blocked head) are out of reach, and so are the partly used devices in
-        `hide` ((node, device) pairs a blocked shared head will share)."""
-        if not hide and (free is self.free or np.array_equal(free, self.free)):
+    def _view(self, free: np.ndarray, spare: np.ndarray, hide=()) -> Devices:
+        """The devices as `free` and `spare` see them: idle devices beyond an island's count in
+        `free` (reserved for the blocked head) are out of reach, and so are the partly used devices
+        in `hide` ((node, device) pairs a blocked shared head will share); CPUs and memory free are
+        `spare`'s."""
+        if not hide and (free is self.free or np.array_equal(free, self.free)) \
+                and (spare is self._spare() or np.array_equal(spare, self._spare())):
             return self.devices
         view = self.devices.copy()
+        view.cpu_free[:], view.mem_free[:] = spare
         for pos, dev in hide:
             view.free[pos][dev] = 0.0
         for pos, node in enumerate(self.topology.nodes):
@@ -548,27 +649,38 @@ class GangQueue:
                     view.free[pos][idle[:extra]] = 0.0
         return view
 
-    def _place_shared(self, job: Job, free: np.ndarray | None, par: Parallelism, empty: bool = False,
-                      devices: Devices | None = None, hide=()) -> list[Slot] | None:
-        """Slots for `job`'s workers on shared devices (None: it does not fit). Co-location first:
-        nodes that run jobs of the other workload kind (io beside compute) and none of its own.
-        empty: on the idle cluster (is it feasible at all); devices: a trial state to place on
-        (what the devices would be without some jobs) instead of the queue's own; hide: see _view."""
-        if devices is None:
-            devices = self._empty_devices() if empty else self._view(free, hide)
-        request = Request(gpu=job.share, count=par.world, cpu=RANK)
+    def _place_shared(self, job: Job, par: Parallelism, devices: Devices) -> list[Slot] | None:
+        """Slots for `job`'s workers on shared `devices` (the queue's state, a view or a trial
+        state; None: it does not fit). Co-location first: nodes that run jobs of the other workload
+        kind (io beside compute) and none of its own."""
+        request = Request(gpu=job.share, count=par.world, cpu=job.cpus, mem=job.memory)
         up = np.array([n.id not in self.down for n in self.topology.nodes])
         if self._mix is None and self._recent:  # cached: rebuilding it per placement dominated ticks
             self._mix = Mix.of(self._recent)
-        mix = self._mix
-        if not empty:
-            other = "io" if job.workload == "compute" else "compute"
-            beside = up & np.array([k[other] > 0 and k[job.workload] == 0 for k in self._kinds])
-            if beside.any():
-                slots = devices.place(request, self.policy.sharing, mix, beside)
-                if slots is not None:
-                    return slots
-        return devices.place(request, self.policy.sharing, mix, up)
+        other = "io" if job.workload == "compute" else "compute"
+        beside = up & np.array([k[other] > 0 and k[job.workload] == 0 for k in self._kinds])
+        if beside.any():
+            slots = self._place(devices, request, beside, par.ranks_per_node)
+            if slots is not None:
+                return slots
+        return self._place(devices, request, up, par.ranks_per_node)
+
+    def _place(self, devices: Devices, request: Request, allowed: np.ndarray,
+               ranks_per_node: int | None) -> list[Slot] | None:
+        """devices.place, with at most ranks_per_node of the request's workers on a node: worker by
+        worker on a working copy, as Devices.place does, the nodes that are full masked out."""
+        if ranks_per_node is None or ranks_per_node >= request.count:
+            return devices.place(request, self.policy.sharing, self._mix, allowed)
+        work, one, slots = devices.copy(), request.worker(), []
+        count = np.zeros(devices.n_nodes, dtype=np.int64)
+        for _ in range(request.count):
+            slot = work.place(one, self.policy.sharing, self._mix, allowed & (count < ranks_per_node))
+            if slot is None:
+                return None
+            work.take(slot)
+            slots += slot
+            count[slot[0].node] += 1
+        return slots
 
     def _shared_plan(self, job: Job, par: Parallelism, slots: list[Slot]) -> PlacementPlan:
         topo = self.topology
@@ -578,7 +690,7 @@ class GangQueue:
             parallelism=par, strategy="pack", topology=topo.name, levels=[lv.name for lv in topo.levels],
             rank_node=[n.id for n in nodes],
             rank_island=[int(self._dev_island[s_.node][s_.devices[0]]) for s_ in slots],
-            bundles=[{"CPU": float(job.cpus), topo.resource: float(job.share)} for _ in slots],
+            bundles=[rank_bundle(topo.resource, job.cpus, job.memory, job.share) for _ in slots],
             bundle_label_selector=[dict(n.selector) for n in nodes],
             rank_to_bundle=list(range(len(slots))),
             cost=Cost(total_s=0.0, bytes_by_level=zero, seconds_by_level=dict(zero), bytes_by_kind={},
@@ -614,18 +726,19 @@ class GangQueue:
             self._enqueue(v, now)
             out.append(Preempt(v, f"preempted by job {job.id!r} (priority {job.priority} > "
                                   f"{v.priority})"))
-        started = self._try_start(job, now, self.free, out)
+        started = self._try_start(job, now, self.free, self._spare(), out)
         assert started, "victims were chosen so that the job fits"
         return True
 
     def _fits_on(self, job: Job, devices: Devices) -> bool:
         """Whether `job`'s smallest shape fits on a trial state of the devices."""
-        free = self._island_free(devices, range(len(self.topology.nodes)), np.zeros_like(self.free))
         if job.share >= 1:
-            return self._fits(job, free)
-        return self._place_shared(job, free, job.smallest, devices=devices) is not None
+            free = self._island_free(devices, range(len(self.topology.nodes)), np.zeros_like(self.free))
+            return self._fits(job, free, self._spare(devices))
+        return self._place_shared(job, job.smallest, devices) is not None
 
-    def _grow(self, now: float, out: list[Decision], reserved: np.ndarray | None, hide=()) -> None:
+    def _grow(self, now: float, out: list[Decision], reserved: np.ndarray | None,
+              reserved_spare: np.ndarray | None, hide=()) -> None:
         """Resize running elastic jobs (highest priority first) to the largest size that fits on
         the free capacity plus their own: all of it when nobody waits; while a blocked head waits
         only what its reservation leaves (growing is backfilling workers: it cannot delay the head)."""
@@ -635,11 +748,13 @@ class GangQueue:
             quota = self._quota(job.tenant)
             room = None if quota is None else quota - self._tenant_use.get(job.tenant, 0) + self._held(job)
             free = self.free + self._use[job.id]
+            spare = self._spare() + self._spare_use[job.id]
             if reserved is not None:
                 free = np.clip(free - reserved, 0, None)
+                spare = np.clip(spare - reserved_spare, 0, None)
             to = next((s for s in job.shapes() if s.world > job.gpus
                        and (room is None or self._held(job, s) <= room + EPS)
-                       and self._fits(job, free, s, hide)), None)
+                       and self._fits(job, free, spare, s, hide)), None)
             if to is None:
                 continue
             if self.on_preempt is not None:
@@ -650,28 +765,32 @@ class GangQueue:
             job.resizes += 1
             self._enqueue(job, now)
             out.append(Preempt(job, f"resize: grow from {was} to {to.world} workers"))
-            started = self._try_start(job, now, free, out, hide)  # at once, on what it was grown for
+            started = self._try_start(job, now, free, spare, out, hide)  # at once, on what it was grown for
             assert started
 
-    def _reservation(self, head: Job, now: float) -> tuple[float | None, np.ndarray | None, tuple]:
+    def _reservation(self, head: Job, now: float) -> tuple[float | None, np.ndarray | None,
+                                                          np.ndarray | None, tuple]:
         """When the head can start (running jobs ending by their estimates), which of the
-        accelerators free now its placement at that time needs, and (a shared head) the partly
-        used devices it would share. Cached while nothing changes."""
+        accelerators free now its placement at that time needs, which of the CPUs and memory free
+        now (per node), and (a shared head) the partly used devices it would share. Cached while
+        nothing changes."""
         key = (head.id, self._version)
         if self._resv_cache is None or self._resv_cache[0] != key:
             self._resv_cache = (key, self._compute_reservation(head, now))
-        shadow, reserved, hide = self._resv_cache[1]
-        return (None if shadow is None else max(shadow, now)), reserved, hide
+        shadow, reserved, reserved_spare, hide = self._resv_cache[1]
+        return (None if shadow is None else max(shadow, now)), reserved, reserved_spare, hide
 
     def _compute_reservation(self, head: Job, now: float):
         ends = sorted((e, j.id) for j in self._running.values()
                       if (e := j.expected_end()) is not None)
         if not ends:
-            return None, None, ()
+            return None, None, None, ()
         everything = range(len(self.topology.nodes))
         if head.share >= 1 and all(j.share >= 1 for j in self._running.values()):
             # whole accelerators only: a job's end frees exactly its own (no device state needed)
             after = self.free + np.cumsum([self._use[job_id] for _, job_id in ends], axis=0)
+            spare_after = self._spare() + np.cumsum([self._spare_use[job_id] for _, job_id in ends], axis=0) \
+                if self._any_counted else _Lazy(lambda i: self._spare())  # all inf: nothing to add
             trial = None
         else:
             # a device several jobs share is idle only once ALL of them ended: evaluate "after the
@@ -685,14 +804,15 @@ class GangQueue:
                 return states[i]
 
             after = _Lazy(lambda i: self._island_free(trial(i), everything, np.zeros_like(self.free)))
+            spare_after = _Lazy(lambda i: self._spare(trial(i)))
         if head.share >= 1:
-            fits = lambda i: self._fits(head, after[i])  # noqa: E731
+            fit = lambda i: self._fits(head, after[i], spare_after[i])  # noqa: E731
         else:
-            fits = lambda i: self._place_shared(head, None, head.smallest, devices=trial(i)) is not None  # noqa: E731
+            fit = lambda i: self._place_shared(head, head.smallest, trial(i)) is not None  # noqa: E731
         # fitting is monotone in how many jobs have ended
-        k = bisect.bisect_left(range(len(ends)), True, key=fits)
+        k = bisect.bisect_left(range(len(ends)), True, key=fit)
         if k == len(ends):
-            return None, None, ()
+            return None, None, None, ()
         if head.share < 1:
             # what the reservation protects for a shared head: the devices its placement at the
             # shadow time uses. Idle ones now are reserved by count per island (idle devices of
@@ -701,19 +821,32 @@ class GangQueue:
             # need no protection: nothing can be placed on them before they free up.
             reserved, hide = np.zeros_like(self.free), []
             base = self.topology.index.island_base
-            for pos, dev in {(s_.node, s_.devices[0]) for s_ in
-                             self._place_shared(head, None, head.smallest, devices=trial(k))}:
+            slots = self._place_shared(head, head.smallest, trial(k))
+            for pos, dev in {(s_.node, s_.devices[0]) for s_ in slots}:
                 now_free = self.devices.free[pos][dev]
                 if now_free >= 1 - EPS:
                     reserved[base[pos] + self._dev_island[pos][dev]] += 1
                 elif now_free > EPS:
                     hide.append((pos, dev))
-            return ends[k][0], reserved, tuple(hide)
+            held = self._spare_of(slots)
+            return ends[k][0], reserved, self._spare_needed(held, spare_after[k]), tuple(hide)
         released = after[k] - self.free
         ranks = assign(self.topology, head.smallest, after[k], head.traffic or self.traffic,
-                       self.policy.placement, time_budget_s=0.0)
+                       self.policy.placement, time_budget_s=0.0,
+                       node_ranks=self._node_ranks(head, spare_after[k]))
         need = np.bincount(ranks, minlength=len(self.free))
-        return ends[k][0], np.clip(need - released, 0, None), ()
+        per_node = np.bincount(self.topology.index.island_node[ranks], minlength=len(self.topology.nodes))
+        held = np.array([[head.cpus], [head.memory]]) * per_node
+        return ends[k][0], np.clip(need - released, 0, None), self._spare_needed(held, spare_after[k]), ()
+
+    def _spare_needed(self, held: np.ndarray, spare_after: np.ndarray) -> np.ndarray:
+        """Of the CPUs and memory the head will hold on each node (`held`), those it needs from
+        what is free now: beyond what the jobs ending before it release there."""
+        now = self._spare()
+        counted = np.isfinite(now)
+        released = np.zeros_like(now)
+        released[counted] = spare_after[counted] - now[counted]
+        return np.clip(held - released, 0, None)
 
 
 class _Lazy:

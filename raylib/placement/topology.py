@@ -78,6 +78,12 @@ class Node(_Model):
     usable: int | None = Field(default=None, ge=0)
     """Accelerators that ranks can use (filled island by island): fewer than gpus on a node that
     lacks the CPUs for a rank on each (from_ray_nodes sets it). Default: all."""
+    cpus: float | None = Field(default=None, ge=0)
+    """CPUs (Ray's CPU resource) the node's ranks share: the gang queue counts each job's CPUs per
+    rank against them (from_ray_nodes sets it). None: not counted."""
+    memory: float | None = Field(default=None, ge=0)
+    """Memory in GiB (Ray's `memory` resource), counted like `cpus` for jobs that ask for memory
+    per rank. None: not counted."""
     free: int | list[int] | None = None
     """Free accelerators, per island or in total (filled island by island). Default: all usable."""
     path: dict[str, str] = Field(default_factory=dict)
@@ -205,11 +211,13 @@ class Topology(_Model):
         levels: Sequence[Level] | None = None,
         resource: str = "GPU",
         name: str = "ray",
-        cpus_per_rank: float = 1.0,
+        cpus_per_rank: float | None = 1.0,
     ) -> Topology:
         """From `ray.nodes()`: live nodes with `resource`; groups from their "Labels". A node with
         fewer CPUs than `cpus_per_rank` per accelerator can host only as many ranks as its CPUs
         allow (`usable`): a rank's bundle asks for both, and Ray could never place the rest.
+        Every node records its CPUs and memory (`Node.cpus`, `Node.memory`); cpus_per_rank=None
+        sets no `usable` (the gang queue counts each job's own CPUs per rank against them).
 
         The outer level names are the label keys read (default leaf, spine); `leaf` falls back
         to `rack`. Nodes without a label share the group "default" of that level. A node's id is
@@ -236,11 +244,14 @@ class Topology(_Model):
                 )
             islands = [int(size)] * (count // int(size)) if size else None
             usable = None  # all
-            if resource != "CPU":
-                cpus = float((n.get("Resources") or {}).get("CPU", 0))
-                usable = min(count, int(cpus // cpus_per_rank)) if cpus < count * cpus_per_rank else None
+            resources = n.get("Resources") or {}
+            cpus = float(resources.get("CPU", 0))
+            if resource != "CPU" and cpus_per_rank is not None and cpus < count * cpus_per_rank:
+                usable = min(count, int(cpus // cpus_per_rank))
+            memory = resources.get("memory")
             out.append({"id": labels.get(LABEL_NODE, node_id), "gpus": count, "islands": islands,
-                        "usable": usable,
+                        "usable": usable, "cpus": cpus,
+                        "memory": None if memory is None else float(memory) / 2**30,
                         "path": path, "selector": {LABEL_NODE_ID: node_id}})
         return cls.from_dict({"name": name, "levels": [lv.model_dump() for lv in levels],
                               "nodes": out, "resource": resource}, source="ray.nodes()")

@@ -223,6 +223,40 @@ def test_infeasible_and_timeout_are_clear_and_leak_nothing(gang):
     assert live_groups() == before, "no placement group may be left behind"
 
 
+def test_cpus_per_worker_are_counted_with_the_accelerators(gang):
+    """The labelled nodes have 4 CPUs and 4 GPUs each. A worker of 8 CPUs could never be placed:
+    refused at once, naming the field, before any placement group exists. Two 1-GPU jobs of 3 CPUs
+    per worker: one node's CPUs hold only one of them, so they go to two nodes, their bundles ask
+    Ray for the 3 CPUs, and a task asking Ray for 3 CPUs and a GPU runs in each bundle."""
+    import ray
+    from ray.util.placement_group import get_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from raylib.placement.gang import reserve
+    from raylib.placement.planner import Parallelism, PlacementError
+
+    before = live_groups()
+    with pytest.raises(PlacementError, match=r"cpus \(scaling.cpus_per_worker\)=8 per worker, but the "
+                                             "largest node has 4 CPUs"):
+        reserve("cpu-hog", Parallelism(dp=1), cpus=8, actor=gang, timeout_s=30)
+    assert live_groups() == before
+    held = [reserve(f"cpus-{i}", Parallelism(dp=1), cpus=3, actor=gang, timeout_s=60) for i in range(2)]
+    nodes = [r.plan.rank_node[0] for r in held]
+    assert len(set(nodes)) == 2 and all(r.plan.bundles == [{"CPU": 3.0, "GPU": 1.0}] for r in held)
+
+    @ray.remote(num_cpus=3, num_gpus=1)
+    def where():
+        return ray.get_runtime_context().get_node_id()
+
+    seen = ray.get([where.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        get_placement_group(f"raylib-gang-cpus-{i}"), placement_group_bundle_index=0)).remote()
+        for i in range(2)], timeout=60)
+    assert seen == nodes
+    for r in held:
+        r.release()
+    assert ray.get(gang.placement_groups.remote()) == {}
+
+
 def test_deepspeed_run_placed_through_the_gang_scheduler_survives_a_preemption(
         labelled_cluster, tiny_dataset, tmp_path):
     """A 2-worker tensor-parallel DeepSpeed run (tp=2: one AutoTP group) placed by the cluster-wide

@@ -226,12 +226,14 @@ def test_a_node_short_of_cpus_hosts_at_most_its_usable_ranks_shared_or_whole():
     base = Topology.synthetic(nodes=1, gpus_per_node=4)
     topo = base.model_copy(update={"nodes": [base.nodes[0].model_copy(update={"usable": 2, "free": [2]})]})
     q = GangQueue(topo)
-    with pytest.raises(Exception, match="do not fit"):  # 8 ranks, CPUs for 2: never
+    with pytest.raises(Exception, match="8 workers x cpus .*=1 need 8 CPUs, but the cluster's nodes have 2"):
         q.submit(shared("eight", 0.5, workers=8))
     q.submit(shared("two", 0.25, workers=2))
     q.submit(Job(id="whole", parallelism=Parallelism(dp=1), submit_time=1.0))
     q.submit(shared("third", 0.25, submit_time=2.0))
     assert [d.job.id for d in q.tick(0.0)] == ["two"]  # 3 devices idle, but no CPUs for a 3rd rank
-    assert q.free.tolist() == [0]
+    # a usable accelerator is idle, but the node's CPUs (counted apart from it) are all taken
+    assert q.free.tolist() == [1] and q.devices.cpu_free.tolist() == [0.0]
+    assert "its workers' 1 CPU each are what is short" in q.why_waiting(q.jobs["whole"])
     q.finish("two")
     assert [d.job.id for d in q.tick(1.0)] == ["whole", "third"]

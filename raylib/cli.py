@@ -273,31 +273,33 @@ def _plan(args) -> int:
 
 
 def _plan_shared(spec, topology, args) -> int:
-    """Where a job of accelerator shares goes on the empty cluster: the node by the gang
-    scheduler's sharing policy, the device by the raylet's best fit (raylib.placement.sharing)."""
-    from raylib.placement.sharing import Devices, Request
+    """Where a job of accelerator shares goes on the empty cluster: the gang scheduler's own
+    placement (raylib.placement.queue: the node by its sharing policy, within ranks_per_node and
+    the nodes' CPUs), the device by the raylet's best fit (raylib.placement.sharing)."""
+    from raylib.placement.planner import Parallelism
+    from raylib.placement.queue import GangQueue, Job, Policy
+    from raylib.placement.sharing import _check_policy
 
+    _check_policy(args.sharing)  # one line naming the choices, before the queue's own check
     share, world = spec.scaling.gpus_per_worker, spec.world_size
     if topology.total_gpus == 0:
         raise ValueError(f"scaling.gpus_per_worker={share:g} asks for a share of an accelerator, but "
                          f"topology {topology.name!r} has none; drop the setting or add GPU nodes")
-    devices = Devices([n.gpus for n in topology.nodes])
-    slots = devices.place(Request(gpu=share, count=world), args.sharing)
-    if slots is None:
-        most = int(1 / share + 1e-9) * topology.total_gpus
+    queue = GangQueue(topology, Policy(sharing=args.sharing))
+    job = Job(id="plan", parallelism=Parallelism.of(spec), share=share,
+              cpus=spec.scaling.cpus_per_worker)
+    queue.submit(job)  # PlacementError (a ValueError) if it could never fit this cluster
+    queue.tick(0.0)
+    if job.plan is None:  # fits the accelerators and CPUs in all, but not as this job asks
         raise ValueError(f"{world} workers x {share:g} of an accelerator do not fit on topology "
-                         f"{topology.name!r}: its {topology.total_gpus} accelerators hold at most {most} "
-                         f"such shares ({int(1 / share + 1e-9)} per device); use fewer workers or a share "
-                         "that divides a device")
+                         f"{topology.name!r}: {queue.why_waiting(job)}")
+    slots = queue._slots[job.id]
     workers = [{"rank": r, "node": topology.nodes[s.node].id, "device": s.devices[0], "share": share}
                for r, s in enumerate(slots)]
     if args.json:
         print(json.dumps({"share": share, "policy": args.sharing, "topology": topology.name,
-                          "workers": workers,
-                          "bundles": [{"CPU": spec.scaling.cpus_per_worker, topology.resource: share}
-                                      for _ in slots]}, indent=2))
+                          "workers": workers, "bundles": job.plan.bundles}, indent=2))
         return 0
-    devices.take(slots)
     used = sorted({(w["node"], w["device"]) for w in workers})
     print(f"{world} workers x {share:g} of an accelerator on {topology.name} (gang scheduler, sharing "
           f"policy {args.sharing}; the device inside a node: the raylet's best fit)")
@@ -306,7 +308,7 @@ def _plan_shared(spec, topology, args) -> int:
     for node, dev in used:
         k = sum(1 for w in workers if (w["node"], w["device"]) == (node, dev))
         pos = topology.node_position(node)
-        print(f"  {node} device {dev}: {k} worker(s), {1 - devices.free[pos][dev]:.2f} of it taken")
+        print(f"  {node} device {dev}: {k} worker(s), {1 - queue.devices.free[pos][dev]:.2f} of it taken")
     return 0
 
 

@@ -442,6 +442,11 @@ class GangQueue:
                 return None
             problem = (f"{par.world} worker(s) x {job.share:g} of an accelerator (and {self._asks(job)} "
                        f"each) do not fit on the devices' free shares")
+            per, devices_up = int(1 / job.share + EPS), int(free.sum())
+            if empty and par.world > per * devices_up:
+                problem += (f": the cluster's {devices_up} accelerators hold at most {per * devices_up} "
+                            f"such shares ({per} per device); use fewer workers or a share that divides "
+                            "a device")
             without = devices.copy()
             without.cpu_free[:], without.mem_free[:] = np.inf, np.inf
             return problem + (self._short_note(job) if self._place_shared(job, par, without) else "")

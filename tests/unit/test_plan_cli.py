@@ -63,10 +63,30 @@ def test_plan_of_accelerator_shares_packs_them_on_devices(capsys):
     assert "4 worker(s), 1.00 of it taken" in capsys.readouterr().out
 
 
-def test_plan_refuses_shares_that_cannot_fit_and_unknown_sharing_policies(capsys):
+def test_plan_refuses_shares_that_cannot_fit_and_unknown_sharing_policies(capsys, tmp_path):
     assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "scaling.num_workers=256",
                  "--set", "scaling.gpus_per_worker=0.6"]) == 2
-    assert "hold at most 128 such shares (1 per device)" in capsys.readouterr().err
+    assert "accelerators hold at most 128 such shares (1 per device)" in capsys.readouterr().err
+    # the scheduler's own placement: at most ranks_per_node workers on a node, shared or not
+    assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "scaling.num_workers=8",
+                 "--set", "scaling.gpus_per_worker=0.25", "--set", "placement.ranks_per_node=2",
+                 "--json"]) == 0
+    workers = json.loads(capsys.readouterr().out)["workers"]
+    assert max(sum(w["node"] == n for w in workers) for n in {w["node"] for w in workers}) == 2
+    # and the nodes' CPUs (where the topology gives them): a worker of more CPUs than any node
+    # has is refused, naming the field; within them, a node hosts the workers its CPUs can
+    topo = tmp_path / "two.yaml"
+    topo.write_text("name: two\nlevels: [{name: nvlink, bandwidth_gbps: 100.0, latency_us: 1.0}, "
+                    "{name: node, bandwidth_gbps: 10.0, latency_us: 1.0}]\n"
+                    "nodes:\n  - {id: a, gpus: 2, cpus: 8}\n  - {id: b, gpus: 2, cpus: 8}\n")
+    assert main(["plan", LARGE, "--topology", str(topo), "--set", "scaling.num_workers=4",
+                 "--set", "scaling.gpus_per_worker=0.25", "--set", "scaling.cpus_per_worker=12"]) == 2
+    assert "cpus (scaling.cpus_per_worker)=12 per worker" in capsys.readouterr().err
+    assert main(["plan", LARGE, "--topology", str(topo), "--set", "scaling.num_workers=4",
+                 "--set", "scaling.gpus_per_worker=0.25", "--set", "scaling.cpus_per_worker=4",
+                 "--json"]) == 0
+    workers = json.loads(capsys.readouterr().out)["workers"]
+    assert sorted(w["node"] for w in workers) == ["a", "a", "b", "b"]  # 4 quarters fit one device
     assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "scaling.num_workers=8",
                  "--set", "scaling.gpus_per_worker=0.25", "--sharing", "round-robin"]) == 2
     assert "unknown placement policy 'round-robin'" in capsys.readouterr().err

@@ -249,7 +249,6 @@ def _embedded_s3(args, spec):
 
 
 def _plan(args) -> int:
-    from raylib.placement.planner import Parallelism, plan
     from raylib.placement.topology import Topology
     from raylib.spec import JobSpec
 
@@ -263,36 +262,43 @@ def _plan(args) -> int:
         from raylib import runtime
 
         runtime.connect(args.address)
-        topology = Topology.from_ray_nodes(ray.nodes(), cpus_per_rank=spec.scaling.cpus_per_worker)
+        # the nodes' CPUs as they are: the queue counts each worker's (as the gang scheduler does)
+        topology = Topology.from_ray_nodes(ray.nodes(), cpus_per_rank=None)
+    queue, job = _place_on_empty(spec, topology, args.sharing)
     if spec.scaling.gpus_per_worker < 1:
-        return _plan_shared(spec, topology, args)
-    p = plan(topology, Parallelism.of(spec),
-             cpus_per_rank=spec.scaling.cpus_per_worker)
-    print(json.dumps(p.to_dict(), indent=2) if args.json else p.explain())
+        return _show_shared(spec, topology, args, queue, job)
+    print(json.dumps(job.plan.to_dict(), indent=2) if args.json else job.plan.explain())
     return 0
 
 
-def _plan_shared(spec, topology, args) -> int:
-    """Where a job of accelerator shares goes on the empty cluster: the gang scheduler's own
-    placement (raylib.placement.queue: the node by its sharing policy, within ranks_per_node and
-    the nodes' CPUs), the device by the raylet's best fit (raylib.placement.sharing)."""
+def _place_on_empty(spec, topology, sharing: str):
+    """The gang scheduler's own placement of `spec` on the idle `topology` (raylib.placement.queue:
+    the topology-aware planner for whole accelerators, its sharing policy for shares, both within
+    ranks_per_node and the nodes' CPUs). Returns (queue, job); raises PlacementError (a
+    ValueError) naming what does not fit."""
     from raylib.placement.planner import Parallelism
     from raylib.placement.queue import GangQueue, Job, Policy
     from raylib.placement.sharing import _check_policy
 
-    _check_policy(args.sharing)  # one line naming the choices, before the queue's own check
-    share, world = spec.scaling.gpus_per_worker, spec.world_size
-    if topology.total_gpus == 0:
-        raise ValueError(f"scaling.gpus_per_worker={share:g} asks for a share of an accelerator, but "
-                         f"topology {topology.name!r} has none; drop the setting or add GPU nodes")
-    queue = GangQueue(topology, Policy(sharing=args.sharing))
-    job = Job(id="plan", parallelism=Parallelism.of(spec), share=share,
-              cpus=spec.scaling.cpus_per_worker)
-    queue.submit(job)  # PlacementError (a ValueError) if it could never fit this cluster
+    share = spec.scaling.gpus_per_worker
+    if share < 1:
+        _check_policy(sharing)  # one line naming the choices, before the queue's own check
+        if topology.total_gpus == 0:
+            raise ValueError(f"scaling.gpus_per_worker={share:g} asks for a share of an accelerator, but "
+                             f"topology {topology.name!r} has none; drop the setting or add GPU nodes")
+    queue = GangQueue(topology, Policy(sharing=sharing), plan_options={"baseline": True})  # beside Ray PACK
+    job = Job(id="plan", parallelism=Parallelism.of(spec), share=share, cpus=spec.scaling.cpus_per_worker)
+    queue.submit(job)  # if it could never fit this cluster
     queue.tick(0.0)
     if job.plan is None:  # fits the accelerators and CPUs in all, but not as this job asks
-        raise ValueError(f"{world} workers x {share:g} of an accelerator do not fit on topology "
-                         f"{topology.name!r}: {queue.why_waiting(job)}")
+        raise ValueError(f"job does not fit on topology {topology.name!r}: {queue.why_waiting(job)}")
+    return queue, job
+
+
+def _show_shared(spec, topology, args, queue, job) -> int:
+    """Where a job of accelerator shares went: the node by the gang scheduler's sharing policy,
+    the device by the raylet's best fit (raylib.placement.sharing)."""
+    share, world = spec.scaling.gpus_per_worker, spec.world_size
     slots = queue._slots[job.id]
     workers = [{"rank": r, "node": topology.nodes[s.node].id, "device": s.devices[0], "share": share}
                for r, s in enumerate(slots)]

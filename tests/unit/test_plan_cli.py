@@ -90,3 +90,20 @@ def test_plan_refuses_shares_that_cannot_fit_and_unknown_sharing_policies(capsys
     assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "scaling.num_workers=8",
                  "--set", "scaling.gpus_per_worker=0.25", "--sharing", "round-robin"]) == 2
     assert "unknown placement policy 'round-robin'" in capsys.readouterr().err
+
+
+def test_plan_of_whole_accelerators_counts_the_nodes_cpus(capsys, tmp_path):
+    """The gang scheduler's own placement: a node hosts the ranks its CPUs hold (two 6-CPU ranks
+    do not share an 8-CPU node), and a job the cluster's CPUs can never hold is refused."""
+    topo = tmp_path / "two.yaml"
+    topo.write_text("name: two\nlevels: [{name: nvlink, bandwidth_gbps: 100.0, latency_us: 1.0}, "
+                    "{name: node, bandwidth_gbps: 10.0, latency_us: 1.0}]\n"
+                    "nodes:\n  - {id: a, gpus: 2, cpus: 8}\n  - {id: b, gpus: 2, cpus: 8}\n")
+    assert main(["plan", LARGE, "--topology", str(topo), "--set", "scaling.num_workers=2",
+                 "--set", "scaling.cpus_per_worker=6", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert sorted(plan["rank_node"]) == ["a", "b"]
+    assert all(b == {"CPU": 6.0, "GPU": 1.0} for b in plan["bundles"])
+    assert main(["plan", LARGE, "--topology", str(topo), "--set", "scaling.num_workers=4",
+                 "--set", "scaling.cpus_per_worker=6"]) == 2
+    assert "need 24 CPUs, but the cluster's nodes have 16" in capsys.readouterr().err

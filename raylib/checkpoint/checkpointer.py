@@ -19,11 +19,14 @@ from there again. `earlier` lists the run's earlier fits whose persisted steps t
 supersede (see below).
 
 Restoring after a restart, every rank must load the same step, so the choice is collective: rank 0
-lists the complete steps (newest first) and broadcasts them; for each, every rank fetches what it
-needs from the fastest copy, and the step is loaded only if all ranks succeeded (else a warning
-and the previous one). Saving involves no collective beyond DeepSpeed's own: a snapshot the
-object store cannot take is written to persist_url by its rank alone (handoff.py), so no rank
-ever waits in a collective that another skipped.
+lists the complete steps (newest first) and broadcasts them: those complete in the keepers' memory
+and at persist_url alike (listed while the keepers are asked), as a newer step may be persisted
+only (a snapshot the object store refused, or whose memory copies were lost); for each, every rank
+fetches what it needs from the fastest copy (memory, for a step that is in both), and the step is
+loaded only if all ranks succeeded (else a warning and the previous one). Saving involves no
+collective beyond DeepSpeed's own: a snapshot the object store cannot take is written to
+persist_url by its rank alone (handoff.py), so no rank ever waits in a collective that another
+skipped.
 
 Run keys: `<name>-<hash of the run dir>-<fit>`, one per TorchTrainer.fit. A restarted worker group
 of the same fit first looks at its own key: Ray Train registers a reported checkpoint only when its
@@ -216,26 +219,15 @@ class ObjectStoreCheckpointer:
         for run, url in dict.fromkeys(others):
             if run != self.store.run:
                 readers.append(CheckpointStore(run, replace(self.policy, persist_url=url)))
-        found, tried, listed = None, [], set()
-        # First what the keepers hold, of each reader in turn: persist_url is listed only if they
-        # cannot offer a run's newest step, or if every step they offered was unusable (and once
-        # per run: opening and listing S3 takes time, even on loopback). Older fits' memory copies
-        # outlive this fit's restore (freed at its first complete snapshot) and a run may have a
-        # complete step at persist_url only (refused by the keepers): so but for the last reader, a
-        # run's persist_url is listed even when the keepers hold none of it, and its persisted
-        # steps never lose to an older fit's memory copies.
-        for reader, persisted, if_none_held in [(r, None, r is not readers[-1]) for r in readers] + \
-                [(r, True, True) for r in readers]:
-            if reader.run in listed:
-                continue
+        # Each reader's complete steps in the keepers' memory or at persist_url, newest first: the
+        # newest wins wherever it is (of one step, the memory copy is fetched). A run may have a
+        # newer step at persist_url only (refused by the keepers, or its memory copies lost), and
+        # older fits' memory copies outlive this fit's restore (freed at its first complete
+        # snapshot): a step held in memory says nothing of newer ones.
+        found = None
+        for reader in readers:
             with self._phase("restore_plan"):
-                candidates, with_persisted = self._from_rank0(
-                    (reader.complete_steps(persisted, if_none_held=if_none_held), reader.listed_persisted)
-                    if self.rank == 0 else None)
-            if with_persisted:
-                listed.add(reader.run)
-            candidates = [c for c in candidates if (reader.run, c) not in tried]
-            tried += [(reader.run, c) for c in candidates]
+                candidates = self._from_rank0(reader.complete_steps() if self.rank == 0 else None)
             if candidates and (found := self._load_newest(engine, reader, candidates)) is not None:
                 self._restored = {"restore_source": found[2], "restored_step": found[0],
                                   "restore_s": time.perf_counter() - t0, "restored_from": reader.run,

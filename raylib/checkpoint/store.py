@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +72,6 @@ class CheckpointStore:
     def __init__(self, run: str, policy: StorePolicy):
         self.run = run
         self.policy = policy
-        self.listed_persisted = False  # whether the last complete_steps() looked at persist_url
 
     @property
     def persisted(self) -> PersistedRun | None:
@@ -185,24 +185,29 @@ class CheckpointStore:
                     {**p, "node": node, "keeper": keepers[node]})
         return found
 
-    def complete_steps(self, persisted: bool | None = True, *, if_none_held: bool = True
-                       ) -> list[tuple[int, int]]:
-        """[(step, world size)], newest first, of the steps whose every part has a copy.
-        persisted=None lists persist_url (S3: slower than a whole restore from memory) only when
-        the keepers cannot offer the newest step: none complete, or a newer step partly held;
-        with if_none_held=False, not when the keepers hold no part of this run at all."""
-        memory = self.holders()
-        worlds = {step: copies[0]["world_size"] for (step, _), copies in memory.items()}
-        in_memory = [s for s, w in sorted(worlds.items(), reverse=True)
-                     if all((s, r) in memory for r in range(w))]
-        if persisted is None:
-            persisted = (not in_memory or in_memory[0] != max(worlds)) and (bool(worlds) or if_none_held)
-        # (not self.persisted: opening an S3 filesystem costs ~0.1 s in a fresh process)
-        self.listed_persisted = bool(persisted and self.policy.persist_url)
-        on_disk = self.persisted.steps() if self.listed_persisted else {}
+    def complete_steps(self, persisted: bool = True) -> list[tuple[int, int]]:
+        """[(step, world size)], newest first, of the steps whose every part has a copy: in a
+        keeper's memory or (with `persisted`) at persist_url, listed while the keepers are asked
+        (S3's latency overlaps theirs). If persist_url cannot be listed, the steps complete in
+        memory are offered alone, with a warning (none: the error)."""
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            # (PersistedRun in the thread too: opening an S3 filesystem costs ~0.1 s in a fresh process)
+            listing = pool.submit(lambda: self.persisted.steps()) \
+                if persisted and self.policy.persist_url else None
+            memory = self.holders()
+            worlds = {step: copies[0]["world_size"] for (step, _), copies in memory.items()}
+            try:
+                on_disk = listing.result() if listing else {}
+            except Exception as e:
+                if not any(all((s, r) in memory for r in range(w)) for s, w in worlds.items()):
+                    raise
+                log.warning("checkpoint %s: could not list %s (%s): choosing among the steps held "
+                            "in memory only", self.run, self.policy.persist_url, e)
+                on_disk = {}
         for step, (world, _) in on_disk.items():
             worlds.setdefault(step, world)
-        # a part may be in memory only, persisted only, or both: any copy will do
+        # a part may be in memory only, persisted only, or both: any copy will do (fetch takes
+        # the fastest: of a step in both, the memory copy)
         return [(s, w) for s, w in sorted(worlds.items(), reverse=True)
                 if all((s, r) in memory or r in on_disk.get(s, (0, set()))[1] for r in range(w))]
 

@@ -296,6 +296,29 @@ def test_a_refused_snapshot_never_enters_the_object_store(cluster, tmp_path, mon
     ok.drop()
 
 
+
+def test_steps_in_memory_are_offered_when_persist_url_cannot_be_listed(cluster, tmp_path, monkeypatch,
+                                                                       caplog):
+    """A restore lists persist_url as well as the keepers: when it cannot be listed (S3 down), the
+    steps complete in memory are offered alone, with a warning; with none, the error is raised."""
+    from raylib.checkpoint import CheckpointStore, StorePolicy
+    from raylib.checkpoint.persist import PersistedRun
+
+    def unreachable(run):
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(PersistedRun, "steps", unreachable)
+    policy = StorePolicy(persist_url=str(tmp_path))
+    _put_part("unlisted", policy, 2, 0, 1, persist=False)
+    store = CheckpointStore("unlisted", policy)
+    with caplog.at_level(logging.WARNING, logger="raylib.checkpoint.store"):
+        assert store.complete_steps() == [(2, 1)]
+    assert "could not list" in caplog.text and "connection refused" in caplog.text, caplog.text
+    store.drop()
+    with pytest.raises(OSError, match="connection refused"):
+        store.complete_steps()
+
+
 # -- training: DeepSpeed engines under Ray Train -------------------------------------------------------
 
 def job(dataset: str, out, name: str, **sections):
@@ -650,8 +673,10 @@ def test_a_resumed_fit_removes_only_what_the_runs_retention_no_longer_keeps(clus
     assert _persisted(spec, [b, c]) == {b: [100], c: [110]} and sorted(os.listdir(url)) == [b, c]
 
     # the resumed fit restored (from memory) a step older than one the earlier fit persisted
+    # (which it could not read)
     spec = job(data, tmp_path, "newer", checkpoint={"persist_every": 1})
     a = _earlier_fit(spec, "fitA", [120])
+    _corrupt(a, 120)
     found, _ = ray.get(task.remote(spec, "fitB", {**a, "step": 100, "complete_step": 100}, [110],
                                    ((a["run"], 100),)))
     assert found == 100 and _persisted(spec, [a["run"]]) == {a["run"]: [120]}
@@ -664,6 +689,72 @@ def test_a_resumed_fit_removes_only_what_the_runs_retention_no_longer_keeps(clus
     found, pointer = ray.get(task.remote(copy, "fitB", a, [110, 120]))
     assert found == 100 and pointer["earlier"] == [], pointer
     assert _persisted(original, [a["run"]]) == {a["run"]: [90, 100]}, "the original keeps its checkpoints"
+
+
+
+def _corrupt(pointer: dict, step: int) -> None:
+    """Damage a shard of `step` persisted by the fit `pointer` names (found only when read)."""
+    shard = os.path.join(pointer["persist_url"], pointer["run"], f"step-{step:08d}", "rank-00000",
+                         f"global_step{step}", "zero_pp_rank_0_optim.pt")
+    with open(shard, "r+b") as f:
+        f.write(b"\0")
+
+
+def _restore_from(spec, fit: str, pointer: dict | None, memory: tuple = ()):
+    """Fit `fit` of `spec`'s run (one rank) restores with Ray Train's `pointer`, the keepers
+    holding the run's `memory` ((fit, step) parts, put without persistence) first. Returns (the
+    step restored, where from, of which fit)."""
+    import torch.distributed as dist
+
+    from raylib.checkpoint import CheckpointStore
+    from raylib.checkpoint import checkpointer as module
+
+    real_fit_id = module.fit_id
+    module.fit_id = lambda: fit
+    try:
+        checkpointer, engine = _one_rank_checkpointer(spec)
+        family = checkpointer.family
+        for name, step in memory:
+            _put_part(family + name, checkpointer.policy, step, 0, 1, persist=False)
+        found = (checkpointer.restore(engine, pointer) or [None])[0]
+        metrics = checkpointer.metrics()
+        for name in {name for name, _ in memory}:
+            CheckpointStore(family + name, checkpointer.policy).drop()
+        return found, metrics["restore_source"], (metrics["restored_from"] or "").removeprefix(family)
+    finally:
+        module.fit_id = real_fit_id
+        dist.destroy_process_group()
+
+
+def test_restore_loads_the_newest_complete_step_in_memory_or_persisted(cluster, tmp_path):
+    """The keepers hold step 100 complete, and 120 is complete at persist_url only (every rank's
+    snapshot of it refused by the object store and written there instead, or its memory copies
+    lost): 120 is restored, not 100 (the training between them would be redone), by a restarted
+    worker group of the same fit (Ray Train's pointer one checkpoint behind) as by a new fit. Of
+    one step the memory copy is loaded; a newer persisted step that cannot be read falls back to
+    the older one in memory."""
+    import ray
+
+    task = ray.remote(num_cpus=0)(_restore_from)
+    data = str(tmp_path / "unread")  # no data is read: the checkpoints are made up
+
+    spec = job(data, tmp_path, "same-fit")
+    a = _earlier_fit(spec, "fitA", [120])
+    assert ray.get(task.remote(spec, "fitA", {**a, "step": 100, "complete_step": 100},
+                               (("fitA", 100),))) == (120, "persisted", "fitA")
+
+    spec = job(data, tmp_path, "new-fit")
+    a = _earlier_fit(spec, "fitA", [100, 120])
+    assert ray.get(task.remote(spec, "fitB", a, (("fitA", 100),))) == (120, "persisted", "fitA")
+
+    spec = job(data, tmp_path, "same-step")
+    a = _earlier_fit(spec, "fitA", [120])
+    assert ray.get(task.remote(spec, "fitB", a, (("fitA", 120),))) == (120, "memory-local", "fitA")
+
+    spec = job(data, tmp_path, "unreadable")
+    a = _earlier_fit(spec, "fitA", [120])
+    _corrupt(a, 120)
+    assert ray.get(task.remote(spec, "fitB", a, (("fitA", 100),))) == (100, "memory-local", "fitA")
 
 
 @pytest.mark.chaos

@@ -26,7 +26,8 @@ plans only its devices that no sharer touches. A shared job prefers nodes that r
 own workload kind (co-location: an io-bound sharer beside compute-bound ones). Preemption sees
 devices, not jobs: a higher-priority sharer may take a device share from lower-priority sharers or
 whole-GPU jobs, and a whole-GPU job may free a device that lower-priority sharers hold. A
-backfilled sharer leaves the head's reserved devices alone.
+backfilled sharer leaves the head's reserved devices alone, and (when it outlasts the head's start)
+the partly used devices in the head's islands that are idle by then.
 
 CPUs and memory: every rank (whole or shared) holds its job's `cpus` (and `memory`) on its node, in
 the same device-level state (`sharing.Devices` counts them per node, from `Node.cpus` and
@@ -34,7 +35,8 @@ the same device-level state (`sharing.Devices` counts them per node, from `Node.
 free CPUs and memory hold (`node_ranks`), so a job is never started where Ray could not place it;
 reservations for the blocked head hold its CPUs too, and a job whose workers no node (or the whole
 cluster) could ever host is refused at submit, naming the field. `Parallelism.ranks_per_node`
-caps every placement (topology, pack and shared) likewise.
+caps every placement (topology, pack and shared) likewise. On a CPU topology (resource "CPU") the
+accelerators are the CPUs: a rank holds max(cpus, 1) of them, as its bundle asks Ray, once.
 """
 
 from __future__ import annotations
@@ -265,8 +267,8 @@ class GangQueue:
             raise PlacementError(f"job {job.id!r}: {problem}")
         job._seq = next(self._seq)
         self.jobs[job.id] = job
-        self._recent.append(Request(gpu=min(job.share, 1.0), count=job.smallest.world, cpu=job.cpus,
-                                    mem=job.memory))
+        self._recent.append(Request(gpu=min(job.share, 1.0), count=job.smallest.world,
+                                    cpu=self._rank_cpus(job), mem=job.memory))
         self._mix = None
         self._enqueue(job, job.submit_time)
 
@@ -327,7 +329,7 @@ class GangQueue:
                 head = job
                 if not self.policy.backfill:
                     break
-                shadow, reserved, reserved_spare, hide = self._reservation(job, now)
+                shadow, reserved, reserved_spare, hide, guard = self._reservation(job, now)
                 bf_version, free_total = -1, 0
                 if shadow is None:
                     break  # the head's start cannot be estimated: backfill only if provably safe
@@ -335,6 +337,7 @@ class GangQueue:
             if bf_version != self._version:  # what backfill may use: all but the head's reservation
                 bf_free, bf_version = np.clip(self.free - reserved, 0, None), self._version
                 bf_spare = np.clip(self._spare() - reserved_spare, 0, None)
+                bf_hide = hide + self._freed_by(shadow, guard)
                 free_total = int(self.free.sum())
             if job.share >= 1 and job.smallest.world > free_total:
                 if free_total == 0 and not any(j.share < 1 for _, j in self._queue):
@@ -344,11 +347,11 @@ class GangQueue:
             if end is not None and end <= shadow:
                 self._try_start(job, now, self.free, self._spare(), out)
             else:  # must leave the head's reserved accelerators, CPUs and memory alone
-                self._try_start(job, now, bf_free, bf_spare, out, hide)
+                self._try_start(job, now, bf_free, bf_spare, out, bf_hide)
         if not self._queue:
             self._grow(now, out, None, None)
         elif reserved is not None and self.policy.backfill:  # grow into what the head does not need
-            self._grow(now, out, reserved, reserved_spare, hide)
+            self._grow(now, out, reserved, reserved_spare, hide + self._freed_by(shadow, guard), shadow)
         for _, job in list(self._queue):
             if job.timeout is not None and now - job.queued_at >= job.timeout:
                 reason = self.why_waiting(job)
@@ -447,8 +450,16 @@ class GangQueue:
                 problem += (f": the cluster's {devices_up} accelerators hold at most {per * devices_up} "
                             f"such shares ({per} per device); use fewer workers or a share that divides "
                             "a device")
-            without = devices.copy()
-            without.cpu_free[:], without.mem_free[:] = np.inf, np.inf
+            rpn = par.ranks_per_node
+            if rpn is not None and self._place_shared(job, par.model_copy(update={"ranks_per_node": None}),
+                                                      devices):
+                up = sum(n.id not in self.down for n in self.topology.nodes)
+                problem += (f"; at most ranks_per_node={rpn} of them on a node is what is short ({up} "
+                            f"node(s) up hold {up * rpn}): raise placement.ranks_per_node or use fewer "
+                            "workers")
+            without = devices.copy()  # CPUs and memory not counted (totals too: taking checks them)
+            for arr in (without.cpu_free, without.mem_free, without.cpu_total, without.mem_total):
+                arr[:] = np.inf
             return problem + (self._short_note(job) if self._place_shared(job, par, without) else "")
         ranks = self._node_ranks(job, spare)
         try:
@@ -462,25 +473,34 @@ class GangQueue:
         """A job whose CPUs (or memory) per worker no node, or not the whole cluster, has; None if
         some node's are not counted (it might host anything)."""
         up = np.array([n.id not in self.down for n in self.topology.nodes], dtype=bool)
-        for per, total, name, what in (
-                (job.cpus, self._spare_total[0], "cpus (scaling.cpus_per_worker)", "CPUs"),
-                (job.memory, self._spare_total[1], "memory", "GiB of memory")):
+        cpus = self._rank_cpus(job)
+        held = "" if cpus == job.cpus else f" (a worker holds {cpus:g}: the CPU it runs on at least)"
+        for per, total, asked, what in (
+                (cpus, self._spare_total[0], f"cpus (scaling.cpus_per_worker)={job.cpus:g}{held}", "CPUs"),
+                (job.memory, self._spare_total[1], f"memory={job.memory:g}", "GiB of memory")):
             have = total[up]
             if per <= 0 or not have.size or not np.isfinite(have).all():
                 continue
             if per > have.max() + EPS:
-                return (f"{name}={per:g} per worker, but the largest node has {have.max():g} {what}: "
+                return (f"{asked} per worker, but the largest node has {have.max():g} {what}: "
                         f"no node can host one of its workers; ask for at most {have.max():g} per "
                         "worker, or add larger nodes")
             if par.world * per > have.sum() + EPS:
-                return (f"{par.world} workers x {name}={per:g} need {par.world * per:g} {what}, but the "
+                return (f"{par.world} workers x {asked} need {par.world * per:g} {what}, but the "
                         f"cluster's nodes have {have.sum():g} in all; use fewer workers or fewer {what} "
                         "per worker, or add nodes")
         return None
 
-    @staticmethod
-    def _asks(job: Job) -> str:
-        return f"{job.cpus:g} CPU" + (f" and {job.memory:g} GiB of memory" if job.memory > 0 else "")
+    def _rank_cpus(self, job: Job) -> float:
+        """CPUs one of `job`'s ranks holds on its node: what its bundle asks Ray for
+        (planner.rank_bundle). On a CPU topology the CPUs are the accelerators: a rank's bundle holds
+        the one it runs on or its `cpus`, whichever is more, not both (it had been counted as a device
+        plus `cpus` CPUs, so ranks of under one CPU beside ranks of more over-filled a node)."""
+        return rank_bundle(self.topology.resource, job.cpus, 0.0, min(job.share, 1.0))["CPU"]
+
+    def _asks(self, job: Job) -> str:
+        memory = f" and {job.memory:g} GiB of memory" if job.memory > 0 else ""
+        return f"{self._rank_cpus(job):g} CPU{memory}"
 
     def _short_note(self, job: Job) -> str:
         fix = "cpus (scaling.cpus_per_worker)" + (" or memory" if job.memory > 0 else "")
@@ -493,7 +513,7 @@ class GangQueue:
         if not self._any_counted:
             return None
         ranks = None
-        for row, per in enumerate((job.cpus, job.memory)):
+        for row, per in enumerate((self._rank_cpus(job), job.memory)):
             if per > 0 and self._counted[row]:
                 r = np.floor(spare[row] / per + EPS)  # inf (not counted) stays inf
                 ranks = r if ranks is None else np.minimum(ranks, r)
@@ -539,12 +559,12 @@ class GangQueue:
                     node_ranks=self._node_ranks(job, spare), **self.plan_options)
 
     def _try_start(self, job: Job, now: float, free: np.ndarray, spare: np.ndarray, out: list[Decision],
-                   hide=()) -> bool:
-        """Start `job` at the largest of its shapes that fits `free` and `spare` (and its tenant's
-        quota)."""
+                   hide=(), shapes: list[Parallelism] | None = None) -> bool:
+        """Start `job` at the largest of its shapes (or of `shapes`) that fits `free` and `spare` (and
+        its tenant's quota)."""
         quota = self._quota(job.tenant)
         room = None if quota is None else quota - self._tenant_use.get(job.tenant, 0)
-        par = next((s for s in job.shapes()
+        par = next((s for s in (job.shapes() if shapes is None else shapes)
                     if (room is None or self._held(job, s) <= room + EPS)
                     and self._fits(job, free, spare, s, hide)), None)
         if par is None:
@@ -574,7 +594,7 @@ class GangQueue:
             for node_id, isl in zip(p.rank_node, p.rank_island, strict=True):
                 pos = self.topology.node_position(node_id)
                 idle = np.flatnonzero((self._dev_island[pos] == isl) & (taken.free[pos] >= 1 - EPS))
-                slot = Slot(pos, (int(idle[0]),), 1.0, job.cpus, job.memory)
+                slot = Slot(pos, (int(idle[0]),), 1.0, self._rank_cpus(job), job.memory)
                 taken.take([slot])
                 slots.append(slot)
             self.devices.take(slots)
@@ -606,11 +626,14 @@ class GangQueue:
 
     def _empty_devices(self) -> Devices:
         """The idle devices, with every node's CPUs and memory (`Node.cpus`, `Node.memory`; not
-        counted: unlimited). A node without a CPU count that is short of CPUs for a rank per
-        accelerator (`usable` < gpus) has `usable` CPUs: one per rank, as from_ray_nodes assumes."""
+        counted: unlimited). A node without a CPU count has, on a CPU topology, its accelerators;
+        else, if it is short of CPUs for a rank per accelerator (`usable` < gpus), `usable` CPUs: one
+        per rank, as from_ray_nodes assumes."""
         def cpus(n) -> float:
             if n.cpus is not None:
                 return n.cpus
+            if self.topology.resource == "CPU":  # the accelerators are its CPUs
+                return float(n.gpus)
             return float(n.usable) if n.usable is not None and n.usable < n.gpus else np.inf
 
         nodes = self.topology.nodes
@@ -633,15 +656,15 @@ class GangQueue:
                 out[base + i] = max(0, cap - int(busy[i])) if up else 0
         return out
 
-    def _view(self, free: np.ndarray, spare: np.ndarray, hide=()) -> Devices:
-        """The devices as `free` and `spare` see them: idle devices beyond an island's count in
-        `free` (reserved for the blocked head) are out of reach, and so are the partly used devices
-        in `hide` ((node, device) pairs a blocked shared head will share); CPUs and memory free are
-        `spare`'s."""
-        if not hide and (free is self.free or np.array_equal(free, self.free)) \
+    def _view(self, free: np.ndarray, spare: np.ndarray, hide=(), base: Devices | None = None) -> Devices:
+        """The devices (or `base`, a trial state of them) as `free` and `spare` see them: idle
+        devices beyond an island's count in `free` (reserved for the blocked head) are out of reach,
+        and so are the partly used devices in `hide` ((node, device) pairs a blocked shared head will
+        share); CPUs and memory free are `spare`'s."""
+        if base is None and not hide and (free is self.free or np.array_equal(free, self.free)) \
                 and (spare is self._spare() or np.array_equal(spare, self._spare())):
             return self.devices
-        view = self.devices.copy()
+        view = (self.devices if base is None else base).copy()
         view.cpu_free[:], view.mem_free[:] = spare
         for pos, dev in hide:
             view.free[pos][dev] = 0.0
@@ -658,7 +681,7 @@ class GangQueue:
         """Slots for `job`'s workers on shared `devices` (the queue's state, a view or a trial
         state; None: it does not fit). Co-location first: nodes that run jobs of the other workload
         kind (io beside compute) and none of its own."""
-        request = Request(gpu=job.share, count=par.world, cpu=job.cpus, mem=job.memory)
+        request = Request(gpu=job.share, count=par.world, cpu=self._rank_cpus(job), mem=job.memory)
         up = np.array([n.id not in self.down for n in self.topology.nodes])
         if self._mix is None and self._recent:  # cached: rebuilding it per placement dominated ticks
             self._mix = Mix.of(self._recent)
@@ -743,53 +766,100 @@ class GangQueue:
         return self._place_shared(job, job.smallest, devices) is not None
 
     def _grow(self, now: float, out: list[Decision], reserved: np.ndarray | None,
-              reserved_spare: np.ndarray | None, hide=()) -> None:
+              reserved_spare: np.ndarray | None, hide=(), shadow: float | None = None) -> None:
         """Resize running elastic jobs (highest priority first) to the largest size that fits on
         the free capacity plus their own: all of it when nobody waits; while a blocked head waits
-        only what its reservation leaves (growing is backfilling workers: it cannot delay the head)."""
+        only what its reservation leaves (growing is backfilling workers: it cannot delay the head).
+        A job the head's reservation expects to end by its `shadow` start is not grown past it: the
+        restart would hold what it releases then (its own accelerators, CPUs, shared devices)."""
         for job in sorted(self._running.values(), key=lambda j: (-j.priority, j.start_time)):
             if not job.sizes or job.gpus == job.sizes[-1] or now - job.start_time < self.policy.grow_after_s:
                 continue
+            end = job.expected_end()
+            if shadow is not None and end is not None and end <= shadow < now + job.duration_estimate:
+                continue
             quota = self._quota(job.tenant)
             room = None if quota is None else quota - self._tenant_use.get(job.tenant, 0) + self._held(job)
-            free = self.free + self._use[job.id]
-            spare = self._spare() + self._spare_use[job.id]
+            larger = [s for s in job.shapes() if s.world > job.gpus
+                      and (room is None or self._held(job, s) <= room + EPS)]
+            if job.share < 1:
+                # what is free without it: a device it alone shares is idle then (free + _use, its
+                # whole-accelerator count, misses it, and _view would hide that device)
+                base = self.devices.copy()
+                base.give(self._slots[job.id])
+                free = self._island_free(base, range(len(self.topology.nodes)), np.zeros_like(self.free))
+                spare = self._spare(base)
+            else:
+                base, free = None, self.free + self._use[job.id]
+                spare = self._spare() + self._spare_use[job.id]
             if reserved is not None:
                 free = np.clip(free - reserved, 0, None)
                 spare = np.clip(spare - reserved_spare, 0, None)
-            to = next((s for s in job.shapes() if s.world > job.gpus
-                       and (room is None or self._held(job, s) <= room + EPS)
-                       and self._fits(job, free, spare, s, hide)), None)
-            if to is None:
+            view = None if base is None else self._view(free, spare, hide, base)
+            if not any(self._fits(job, free, spare, s, hide) if view is None
+                       else self._place_shared(job, s, view) is not None for s in larger):
+                continue
+            was, was_plan, was_slots = job.gpus, job.plan, self._slots[job.id]
+            was_start, was_queued = job.start_time, job.queued_at
+            del self._running[job.id]
+            self._release(job)
+            self._enqueue(job, now)
+            started: list[Decision] = []
+            # at once, on what it was grown for; shares are placed worker by worker (not monotone in
+            # the room, and co-location changes once it is gone): if no larger size fits after all,
+            # it keeps running as it was
+            if not self._try_start(job, now, free, spare, started, hide, shapes=larger):
+                self._dequeue(job)
+                job.parallelism = was_plan.parallelism
+                self._take(job, was_plan, was_slots if job.share < 1 else None)
+                job.state, job.plan, job.start_time = State.RUNNING, was_plan, was_start
+                job.queued_at = was_queued
+                self._running[job.id] = job
+                self._add_use(job.tenant, self._held(job))
                 continue
             if self.on_preempt is not None:
                 self.on_preempt(job)
-            was = job.gpus
-            del self._running[job.id]
-            self._release(job)
             job.resizes += 1
-            self._enqueue(job, now)
-            out.append(Preempt(job, f"resize: grow from {was} to {to.world} workers"))
-            started = self._try_start(job, now, free, spare, out, hide)  # at once, on what it was grown for
-            assert started
+            out.append(Preempt(job, f"resize: grow from {was} to {job.gpus} workers"))
+            out += started
 
     def _reservation(self, head: Job, now: float) -> tuple[float | None, np.ndarray | None,
-                                                          np.ndarray | None, tuple]:
+                                                          np.ndarray | None, tuple, np.ndarray | None]:
         """When the head can start (running jobs ending by their estimates), which of the
         accelerators free now its placement at that time needs, which of the CPUs and memory free
-        now (per node), and (a shared head) the partly used devices it would share. Cached while
-        nothing changes."""
+        now (per node), (a shared head) the partly used devices it would share, and the islands its
+        placement uses (see _freed_by). Cached while nothing changes."""
         key = (head.id, self._version)
         if self._resv_cache is None or self._resv_cache[0] != key:
             self._resv_cache = (key, self._compute_reservation(head, now))
-        shadow, reserved, reserved_spare, hide = self._resv_cache[1]
-        return (None if shadow is None else max(shadow, now)), reserved, reserved_spare, hide
+        shadow, reserved, reserved_spare, hide, guard = self._resv_cache[1]
+        return (None if shadow is None else max(shadow, now)), reserved, reserved_spare, hide, guard
+
+    def _freed_by(self, shadow: float, guard: np.ndarray) -> tuple:
+        """The partly used devices in the islands `guard` marks whose every holder is expected to
+        end by `shadow`: idle by then, as the head's reservation counts on (its `reserved` are
+        only the accelerators it needs beyond those), so sharers backfilled past the shadow must
+        leave them alone. Asked afresh as backfill goes on: a short backfilled sharer turns an idle
+        device the head needs into such a device."""
+        base, cand = self.topology.index.island_base, set()
+        for pos in np.unique(self.topology.index.island_node[guard]):
+            row = self.devices.free[pos]
+            for dev in np.flatnonzero((row > EPS) & (row < 1 - EPS)):
+                if guard[base[pos] + self._dev_island[pos][dev]]:
+                    cand.add((int(pos), int(dev)))
+        if not cand:
+            return ()
+        for job in self._running.values():
+            end = job.expected_end()
+            if end is None or end > shadow:
+                cand -= {(s_.node, d) for s_ in self._slots[job.id] for d in s_.devices}
+        return tuple(sorted(cand))
 
     def _compute_reservation(self, head: Job, now: float):
         ends = sorted((e, j.id) for j in self._running.values()
                       if (e := j.expected_end()) is not None)
         if not ends:
-            return None, None, None, ()
+            return None, None, None, (), None
         everything = range(len(self.topology.nodes))
         if head.share >= 1 and all(j.share >= 1 for j in self._running.values()):
             # whole accelerators only: a job's end frees exactly its own (no device state needed)
@@ -817,7 +887,7 @@ class GangQueue:
         # fitting is monotone in how many jobs have ended
         k = bisect.bisect_left(range(len(ends)), True, key=fit)
         if k == len(ends):
-            return None, None, None, ()
+            return None, None, None, (), None
         if head.share < 1:
             # what the reservation protects for a shared head: the devices its placement at the
             # shadow time uses. Idle ones now are reserved by count per island (idle devices of
@@ -834,15 +904,19 @@ class GangQueue:
                 elif now_free > EPS:
                     hide.append((pos, dev))
             held = self._spare_of(slots)
-            return ends[k][0], reserved, self._spare_needed(held, spare_after[k]), tuple(hide)
+            guard = np.zeros(len(self.free), dtype=bool)
+            guard[[base[s_.node] + self._dev_island[s_.node][s_.devices[0]] for s_ in slots]] = True
+            return ends[k][0], reserved, self._spare_needed(held, spare_after[k]), tuple(hide), guard
         released = after[k] - self.free
         ranks = assign(self.topology, head.smallest, after[k], head.traffic or self.traffic,
                        self.policy.placement, time_budget_s=0.0,
                        node_ranks=self._node_ranks(head, spare_after[k]))
         need = np.bincount(ranks, minlength=len(self.free))
         per_node = np.bincount(self.topology.index.island_node[ranks], minlength=len(self.topology.nodes))
-        held = np.array([[head.cpus], [head.memory]]) * per_node
-        return ends[k][0], np.clip(need - released, 0, None), self._spare_needed(held, spare_after[k]), ()
+        held = np.array([[self._rank_cpus(head)], [head.memory]]) * per_node
+        # `released` counts partly used devices that are idle by then: _freed_by keeps them so
+        return (ends[k][0], np.clip(need - released, 0, None), self._spare_needed(held, spare_after[k]), (),
+                need > 0)
 
     def _spare_needed(self, held: np.ndarray, spare_after: np.ndarray) -> np.ndarray:
         """Of the CPUs and memory the head will hold on each node (`held`), those it needs from

@@ -260,10 +260,13 @@ def _plan(args) -> int:
         import ray
 
         from raylib import runtime
+        from raylib.train.trainer import decide_gpu, gang_resource
 
         runtime.connect(args.address)
-        # the nodes' CPUs as they are: the queue counts each worker's (as the gang scheduler does)
-        topology = Topology.from_ray_nodes(ray.nodes(), cpus_per_rank=None)
+        # the scheduler the job would go to (GPUs, or CPUs for a CPU job), with the nodes' CPUs as
+        # they are: the queue counts each worker's, as the gang scheduler does
+        resource = gang_resource(spec, decide_gpu(spec, ray.cluster_resources()))
+        topology = Topology.from_ray_nodes(ray.nodes(), resource=resource, cpus_per_rank=None)
     queue, job = _place_on_empty(spec, topology, args.sharing)
     if spec.scaling.gpus_per_worker < 1:
         return _show_shared(spec, topology, args, queue, job)
@@ -287,7 +290,8 @@ def _place_on_empty(spec, topology, sharing: str):
             raise ValueError(f"scaling.gpus_per_worker={share:g} asks for a share of an accelerator, but "
                              f"topology {topology.name!r} has none; drop the setting or add GPU nodes")
     queue = GangQueue(topology, Policy(sharing=sharing), plan_options={"baseline": True})  # beside Ray PACK
-    job = Job(id="plan", parallelism=Parallelism.of(spec), share=share, cpus=spec.scaling.cpus_per_worker)
+    job = Job(id="plan", parallelism=Parallelism.of(spec), share=share, cpus=spec.scaling.cpus_per_worker,
+              sizes=tuple(spec.elastic_sizes()) if spec.elastic else ())  # elastic: the largest that fits
     queue.submit(job)  # if it could never fit this cluster
     queue.tick(0.0)
     if job.plan is None:  # fits the accelerators and CPUs in all, but not as this job asks

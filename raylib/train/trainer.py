@@ -121,7 +121,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
                 "run_dir": str(run_dir), "index": dataclasses.asdict(index), "peft_base": peft_base,
                 "elastic": spec.elastic, "progress": bar.channel, "report_interval_s": report_interval_s}
 
-    part_spec, resource = spec, _gang_resource(spec, on_gpu)
+    part_spec, resource = spec, gang_resource(spec, on_gpu)
     job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
     report_interval_s = 0.0 if report_every_log else REPORT_SPACING_POLLS * report_poll_s()
     _check_node_health(spec, on_gpu)  # health.preflight: a bad node is drained (gang) or named
@@ -313,7 +313,7 @@ def _check_node_health(spec: JobSpec, on_gpu: bool) -> None:
                             "(health.preflight: false skips this check)")
     from raylib.placement import gang
 
-    actor = gang.scheduler(resource=_gang_resource(spec, on_gpu))
+    actor = gang.scheduler(resource=gang_resource(spec, on_gpu))
     for n, fs in bad.items():
         ray_get(actor.drain.remote(n, f"health.preflight: {fs[0]['rule']}"))
     log.warning("health.preflight drained %d node(s) before placing %r: %s", len(bad), spec.name,
@@ -346,7 +346,7 @@ def worker_gpus(spec: JobSpec, on_gpu: bool) -> float:
     return share if on_gpu or share < 1 else 0.0
 
 
-def _gang_resource(spec: JobSpec, on_gpu: bool) -> str:
+def gang_resource(spec: JobSpec, on_gpu: bool) -> str:
     """The gang scheduler that accounts this job: GPUs (whole or shared), else CPUs."""
     return "GPU" if on_gpu or spec.scaling.gpus_per_worker < 1 else "CPU"
 

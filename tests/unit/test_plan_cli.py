@@ -107,3 +107,15 @@ def test_plan_of_whole_accelerators_counts_the_nodes_cpus(capsys, tmp_path):
     assert main(["plan", LARGE, "--topology", str(topo), "--set", "scaling.num_workers=4",
                  "--set", "scaling.cpus_per_worker=6"]) == 2
     assert "need 24 CPUs, but the cluster's nodes have 16" in capsys.readouterr().err
+
+
+def test_plan_of_an_elastic_job_is_the_largest_size_that_fits(capsys, tmp_path):
+    topo = tmp_path / "two.yaml"
+    topo.write_text("name: two\nlevels: [{name: nvlink, bandwidth_gbps: 100.0, latency_us: 1.0}, "
+                    "{name: node, bandwidth_gbps: 10.0, latency_us: 1.0}]\n"
+                    "nodes:\n  - {id: a, gpus: 2, cpus: 8}\n  - {id: b, gpus: 2, cpus: 8}\n")
+    assert main(["plan", LARGE, "--topology", str(topo), "--set", "scaling.num_workers={min: 2, max: 8}",
+                 "--set", "placement.gang=true",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["parallelism"]["dp"] == 4 and sorted(plan["rank_node"]) == ["a", "a", "b", "b"]

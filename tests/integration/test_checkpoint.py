@@ -308,7 +308,8 @@ def test_steps_in_memory_are_offered_when_persist_url_cannot_be_listed(cluster, 
         raise OSError("connection refused")
 
     monkeypatch.setattr(PersistedRun, "steps", unreachable)
-    policy = StorePolicy(persist_url=str(tmp_path))
+    # no replica: one replicated in the background could land after drop() and still be held
+    policy = StorePolicy(persist_url=str(tmp_path), replicas=0)
     _put_part("unlisted", policy, 2, 0, 1, persist=False)
     store = CheckpointStore("unlisted", policy)
     with caplog.at_level(logging.WARNING, logger="raylib.checkpoint.store"):

@@ -34,9 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--address", help="Ray cluster whose labels give the topology")
     p_plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p_plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p_plan.add_argument("--sharing", default="fgd", metavar="POLICY",
+    p_plan.add_argument("--sharing", default="fgd-lp", metavar="POLICY",
                         help="for a share of an accelerator (scaling.gpus_per_worker < 1): the gang "
-                        "scheduler's node policy, fgd (default), best-fit, packing or ray-default")
+                        "scheduler's node policy, fgd-lp (default), fgd, best-fit, weighted-best-fit, "
+                        "packing or ray-default")
 
     p_storage = sub.add_parser("storage", help="storage tools")
     storage_sub = p_storage.add_subparsers(dest="storage_command", required=True)

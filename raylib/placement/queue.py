@@ -19,7 +19,7 @@ is empty and a larger size of a running elastic job fits, it is resized — a `P
 says so: the job checkpoints, stops, and starts again at once at the larger size.
 
 Shared accelerators (`Job.share` < 1): such a job's workers are placed on devices by
-`sharing.Devices` under `Policy.sharing` (fragmentation-aware FGD against the recent request mix
+`sharing.Devices` under `Policy.sharing` (fragmentation-aware fgd-lp against the recent request mix
 by default), all or nothing; a device is never over 1.0. The queue keeps one device-level state for
 every job: whole-accelerator jobs take idle devices, and an island counts for whole-accelerator
 plans only its devices that no sharer touches. A shared job prefers nodes that run no job of its
@@ -88,9 +88,10 @@ class Policy(BaseModel):
     """Tenant -> most accelerators its running jobs may hold (a shared worker holds its share)."""
     default_quota: int | None = Field(None, ge=0)
     """Quota of tenants not in `quotas` (None: unlimited)."""
-    sharing: str = Field("fgd", pattern="^(" + "|".join(POLICIES) + ")$")
-    """Which node a shared-device worker goes to: fgd (fragmentation-aware), best-fit, packing,
-    ray-default (see raylib.placement.sharing)."""
+    sharing: str = Field("fgd-lp", pattern="^(" + "|".join(POLICIES) + ")$")
+    """Which node a shared-device worker goes to: fgd-lp (fragmentation-aware, pairing fractions by
+    the mix's packing prices; the default), fgd (the FGD paper's), best-fit, weighted-best-fit,
+    packing, ray-default (see raylib.placement.sharing)."""
     grow_after_s: float = Field(60.0, ge=0)
     """An elastic job is grown no sooner than this after its (re)start: each resize costs a
     checkpoint and a restart (Ray Train's elastic_resize_monitor_interval_s, 60 s, likewise)."""

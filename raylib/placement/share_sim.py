@@ -33,6 +33,7 @@ from pydantic import BaseModel, Field
 
 from raylib.placement.sharing import (
     EPS,
+    FGD_POLICIES,
     POLICIES,
     Devices,
     Mix,
@@ -285,7 +286,8 @@ OPTIMUM_GRID = 0.01
 """GPUs: the step of `stranding_optimum`'s device model (the openb fractions are hundredths)."""
 
 
-def stranding_optimum(tasks: Sequence[Task], capacity: float, *, time_limit_s: float = 60.0) -> dict:
+def stranding_optimum(tasks: Sequence[Task], capacity: float, *, time_limit_s: float = 60.0,
+                      every_fraction: bool = False) -> dict:
     """The least GPU capacity ANY placement of `tasks` (online or offline, any order, any policy)
     can leave unallocated on `capacity` GPUs, with CPUs, memory and node boundaries set aside:
     each of those only adds to it. Tighter than `stranding_floor`, which it never goes below.
@@ -296,6 +298,13 @@ def stranding_optimum(tasks: Sequence[Task], capacity: float, *, time_limit_s: f
     only loosens the packing: still a lower bound), a whole-GPU worker's every GPU an arc 0 -> 1,
     an unused step a loss arc. Maximise the GPUs carried by at most as many arcs of each size as
     such workers arrived, over `capacity` paths. Unallocated = capacity - that.
+
+    every_fraction: the least a placement that leaves NO fractional worker out can strand (each
+    such arc used exactly as often as they arrived). That is the fewest devices that hold all the
+    fractions less their GPUs, since whole-GPU workers fill whatever devices are left; a policy
+    that places every fraction that fits strands no less unless some fraction arrives to a
+    cluster where it no longer fits. The plain optimum is lower because it may leave fractions
+    out, choosing which: those whose gaps nothing fills (on openb, 0.81-GPU workers).
 
     Returns optimum_gpus, optimum (share of capacity) and exact (False: the solver stopped at
     time_limit_s, and optimum is its proven bound, still a lower bound)."""
@@ -333,8 +342,12 @@ def stranding_optimum(tasks: Sequence[Task], capacity: float, *, time_limit_s: f
     lo[0] = hi[0] = -devices  # every device's path leaves 0 ...
     lo[steps] = hi[steps] = devices  # ... and ends at 1 GPU
     hi[steps + 1:] = [sizes[kind] for kind in kinds]
+    if every_fraction:
+        lo[steps + 1:] = [sizes[kind] if kind[1] < 1 else 0 for kind in kinds]
     res = milp(-gain, constraints=LinearConstraint(a, lo, hi), integrality=np.ones(len(arcs)),
                bounds=Bounds(0, np.inf), options={"time_limit": time_limit_s, "disp": False})
+    if res.status == 2 and every_fraction:
+        raise ValueError("the fractional workers alone need more devices than `capacity`")
     if res.status not in (0, 1) or res.mip_dual_bound is None:
         raise RuntimeError(f"the packing program found no bound: {res.message}")
     exact = res.status == 0
@@ -487,7 +500,7 @@ def simulate_sharing(
                 continue
             queue.append(i)
         if queue:
-            if policy == "fgd" and mix_stale:
+            if policy in FGD_POLICIES and mix_stale:
                 online = Mix.from_counts(counts)
                 mix_stale = False
             failed: list[Request] = []

@@ -51,7 +51,7 @@ def test_plan_of_accelerator_shares_packs_them_on_devices(capsys):
     assert main(["plan", LARGE, "--topology", FAT_TREE, "--set", "scaling.num_workers=8",
                  "--set", "scaling.gpus_per_worker=0.25", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["policy"] == "fgd" and len(plan["workers"]) == 8
+    assert plan["policy"] == "fgd-lp" and len(plan["workers"]) == 8
     assert all(b["GPU"] == 0.25 for b in plan["bundles"])
     per_device = {}
     for w in plan["workers"]:

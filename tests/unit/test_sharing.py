@@ -29,6 +29,7 @@ from raylib.placement.sharing import (
     Mix,
     Request,
     Slot,
+    gap_values,
     node_fragmentation,
 )
 
@@ -257,6 +258,45 @@ def test_fgd_keeps_a_node_whole_when_the_mix_has_two_gpu_tasks():
     assert d.place(Request(0.5), "fgd", Mix.from_counts({Request(0.5): 1}))[0].node == 1
 
 
+def test_gap_values_price_each_fraction_at_the_devices_an_optimal_packing_spends_on_it():
+    # only halves: two to a device, so a gap is worth half a device per half it holds
+    v = Mix.from_counts({Request(0.5): 1}).gap_values()
+    assert v[100] == pytest.approx(1.0) and v[50] == pytest.approx(0.5) and v[49] == pytest.approx(0.0)
+    # 0.81 beside 0.16: a 0.19 gap holds one 0.16, so the pair fills a device; with 3 0.81s to
+    # every 0.16 most 0.81s are alone on a device: the 0.81 costs a whole device, the 0.16 nothing
+    v = Mix.from_counts({Request(0.81): 3, Request(0.16): 1}).gap_values()
+    assert v[100] == pytest.approx(1.0) and v[81] == pytest.approx(1.0) and v[19] == pytest.approx(0.0)
+    # values never fall as a gap grows, and no mix prices a device above 1
+    v = DEFAULT_MIX.gap_values()
+    assert (np.diff(v) >= -1e-12).all() and v[100] == pytest.approx(1.0)
+    assert not gap_values(()).any()  # no fractional workers: nothing to price
+
+
+def test_fgd_lp_pairs_a_fraction_with_the_gap_an_optimal_packing_gives_it():
+    # mix {0.65, 0.47, 0.32}: a device best holds 0.65 + 0.32 or 0.47 + 0.47. Node 0 has a device
+    # with 0.68 free (a 0.32 is running there), node 1 one with 0.5 free. A 0.32 arrives:
+    # best-fit and fgd put it in the 0.5 (the least free; fgd: both moves leave gaps the mix can
+    # still use), which leaves 0.18 nothing fits; fgd-lp puts it beside the other 0.32 (0.68 is
+    # worth a 0.65 = 2/3 device either way, 0.36 another 0.32; 0.5 is worth a 0.47 = 1/2, 0.18
+    # nothing). Then 0.47 and 0.32 arrive: fgd-lp places both, best-fit and fgd lose the 0.32.
+    mix = Mix.from_counts({Request(0.65): 1, Request(0.47): 1, Request(0.32): 1})
+    arrivals = [Request(0.32), Request(0.47), Request(0.32)]
+    placed = {}
+    for policy in ("fgd-lp", "fgd", "best-fit"):
+        d = Devices([1, 1])
+        d.free[0][:] = [0.68]
+        d.free[1][:] = [0.5]
+        placed[policy] = placed_on(d, arrivals, policy, mix)
+    assert placed["fgd-lp"] == [[(0, (0,))], [(1, (0,))], [(0, (0,))]]
+    assert placed["best-fit"][0] == [(1, (0,))] and placed["best-fit"][2] is None
+    assert placed["fgd"][0] == [(1, (0,))] and placed["fgd"][2] is None
+    # whole-GPU workers and a mix without fractions: fgd-lp is fgd
+    d = Devices([2, 2])
+    d.free[1][:] = [1.0, 0.5]
+    whole = Mix.from_counts({Request(0.5): 1, Request(1): 1, Request(2): 1})
+    assert d.place(Request(1), "fgd-lp", whole) == d.place(Request(1), "fgd", whole)
+
+
 def test_best_fit_and_packing_tie_breaks():
     # best-fit: same GPU capacity left -> the node with less free CPU
     assert Devices([2, 2], cpus=[16, 8]).place(Request(0.5, cpu=1), "best-fit")[0].node == 1
@@ -435,6 +475,24 @@ def test_stranding_optimum_is_the_best_packing_of_hand_made_arrivals(gpus, capac
     assert o["optimum"] == pytest.approx(optimum / capacity, abs=1e-6)
     with pytest.raises(ValueError, match="capacity"):
         stranding_optimum(_tasks(gpus), 0)
+
+
+@pytest.mark.parametrize("gpus, capacity, every_fraction", [
+    # 0.6 + 0.6 + 1 on 2 GPUs: placing both 0.6s leaves no device for the 1-GPU worker (0.8 left,
+    # where the optimum fails a 0.6 and leaves 0.4)
+    ([0.6, 0.6, 1.0], 2, 0.8),
+    # 0.81s whose slivers a 0.16 fills once: three devices for the fractions, the whole worker
+    # takes the fourth; 3 - (3 x 0.81 + 0.16) = 0.41 left
+    ([0.81, 0.81, 0.81, 0.16, 1.0], 4, 0.41),
+    # fractions that pack perfectly: nothing left either way
+    ([0.5, 0.5, 0.25, 0.25, 0.5, 1.0], 3, 0.0),
+])
+def test_stranding_optimum_placing_every_fraction_is_their_packings_waste(gpus, capacity, every_fraction):
+    o = stranding_optimum(_tasks(gpus), capacity, every_fraction=True)
+    assert o["exact"] and o["optimum_gpus"] == pytest.approx(every_fraction, abs=1e-6)
+    assert o["optimum_gpus"] >= stranding_optimum(_tasks(gpus), capacity)["optimum_gpus"] - 1e-9
+    with pytest.raises(ValueError, match="fractional workers alone"):
+        stranding_optimum(_tasks([0.6, 0.6, 0.6]), 2, every_fraction=True)
 
 
 def test_no_policy_strands_less_than_the_optimum_which_is_above_the_floor():

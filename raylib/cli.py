@@ -292,6 +292,7 @@ def _place_on_empty(spec, topology, sharing: str):
                              f"topology {topology.name!r} has none; drop the setting or add GPU nodes")
     queue = GangQueue(topology, Policy(sharing=sharing), plan_options={"baseline": True})  # beside Ray PACK
     job = Job(id="plan", parallelism=Parallelism.of(spec), share=share, cpus=spec.scaling.cpus_per_worker,
+              memory=spec.scaling.memory_per_worker_gib,
               sizes=tuple(spec.elastic_sizes()) if spec.elastic else ())  # elastic: the largest that fits
     queue.submit(job)  # if it could never fit this cluster
     queue.tick(0.0)

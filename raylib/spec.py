@@ -569,6 +569,10 @@ class ScalingSpec(_Section):
     node beside a compute-bound one. auto: measured (the data-wait fraction of this run's last
     part, else compute)."""
     cpus_per_worker: float = Field(1, gt=0)
+    memory_per_worker_gib: float = Field(0, ge=0)
+    """Memory each worker reserves, in GiB (Ray's `memory` resource, in each worker's bundle and
+    counted per node by the gang scheduler); 0: none reserved, as Ray's default. Ray does not
+    enforce it: it keeps workers off nodes whose reserved memory is taken."""
     host_allocator: Literal["auto", "jemalloc", "system"] = "auto"
     """The workers' malloc (raylib.train.allocator). auto: jemalloc (Ray's own copy) when training on
     CPU, where it cuts peak memory and step time; the system allocator on GPU workers."""

@@ -478,7 +478,8 @@ class GangQueue:
         held = "" if cpus == job.cpus else f" (a worker holds {cpus:g}: the CPU it runs on at least)"
         for per, total, asked, what in (
                 (cpus, self._spare_total[0], f"cpus (scaling.cpus_per_worker)={job.cpus:g}{held}", "CPUs"),
-                (job.memory, self._spare_total[1], f"memory={job.memory:g}", "GiB of memory")):
+                (job.memory, self._spare_total[1], f"memory (scaling.memory_per_worker_gib)={job.memory:g}",
+                 "GiB of memory")):
             have = total[up]
             if per <= 0 or not have.size or not np.isfinite(have).all():
                 continue
@@ -504,7 +505,8 @@ class GangQueue:
         return f"{self._rank_cpus(job):g} CPU{memory}"
 
     def _short_note(self, job: Job) -> str:
-        fix = "cpus (scaling.cpus_per_worker)" + (" or memory" if job.memory > 0 else "")
+        fix = "cpus (scaling.cpus_per_worker)" + (" or memory (scaling.memory_per_worker_gib)"
+                                                  if job.memory > 0 else "")
         return (f"; its workers' {self._asks(job)} each are what is short (a node hosts only as many "
                 f"of them as its free CPUs and memory hold): lower {fix} per worker, or give the nodes "
                 "more")

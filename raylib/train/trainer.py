@@ -104,7 +104,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     on_gpu = decide_gpu(spec, resources)
     if on_gpu:
         ds_config = resolve_ds_config(spec, on_gpu=True)
-    _check_capacity(spec, resources, on_gpu)
+    _check_capacity(spec, resources, on_gpu, _node_memory() if spec.scaling.memory_per_worker_gib else None)
     host_allocator = allocator.resolve(spec.scaling.host_allocator, on_gpu)
     worker_env = _worker_env(extra=allocator.worker_env(host_allocator))
 
@@ -146,8 +146,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
                     scaling_config=ray.train.ScalingConfig(
                         num_workers=part_spec.world_size,
                         use_gpu=gpus > 0,  # on CPU training with a GPU share: logical GPUs (gloo)
-                        resources_per_worker={"CPU": spec.scaling.cpus_per_worker,
-                                              **({"GPU": gpus} if gpus else {})},
+                        resources_per_worker=worker_resources(spec, gpus),
                         label_selector=reservation.label_selectors() if reservation else None,
                     ),
                     run_config=ray.train.RunConfig(
@@ -364,7 +363,7 @@ def _reserve(spec: JobSpec, resource: str, job_id: str):
     return gang.reserve(job_id, Parallelism.of(spec), priority=p.priority, tenant=p.tenant,
                         timeout_s=p.timeout_s, actor=actor, sizes=tuple(sizes),
                         share=spec.scaling.gpus_per_worker, cpus=spec.scaling.cpus_per_worker,
-                        workload=_workload(spec))
+                        workload=_workload(spec), memory=spec.scaling.memory_per_worker_gib)
 
 
 def _workload(spec: JobSpec) -> str:
@@ -537,7 +536,25 @@ def decide_gpu(spec: JobSpec, resources: dict[str, Any]) -> bool:
     return on_gpu
 
 
-def _check_capacity(spec: JobSpec, resources: dict[str, Any], on_gpu: bool) -> None:
+def _node_memory() -> list[float]:
+    """Each live node's `memory` resource (bytes) as Ray counts it."""
+    import ray
+
+    return [float((n.get("Resources") or {}).get("memory", 0)) for n in ray.nodes() if n.get("Alive")]
+
+
+def worker_resources(spec: JobSpec, gpus: float) -> dict[str, float]:
+    """What each Ray Train worker asks Ray for (the gang's bundles ask the same: planner.rank_bundle)."""
+    out = {"CPU": spec.scaling.cpus_per_worker, **({"GPU": gpus} if gpus else {})}
+    if spec.scaling.memory_per_worker_gib > 0:
+        out["memory"] = float(round(spec.scaling.memory_per_worker_gib * 2**30))
+    return out
+
+
+def _check_capacity(spec: JobSpec, resources: dict[str, Any], on_gpu: bool,
+                    node_memory: list[float] | None = None) -> None:
+    """Refuse, before anything is reserved, a job the cluster's CPUs or memory can never hold.
+    node_memory: each live node's `memory` resource in bytes (None: not checked)."""
     need = spec.min_world_size * spec.scaling.cpus_per_worker
     have = resources.get("CPU", 0)
     if need > have:
@@ -546,6 +563,18 @@ def _check_capacity(spec: JobSpec, resources: dict[str, Any], on_gpu: bool) -> N
             f"{spec.scaling.cpus_per_worker:g}) but the cluster has {have:g}; lower "
             "scaling.num_workers or scaling.cpus_per_worker, or add nodes"
         )
+    gib = spec.scaling.memory_per_worker_gib
+    if gib > 0 and node_memory:
+        largest, total = max(node_memory) / 2**30, sum(node_memory) / 2**30
+        if gib > largest:
+            raise ValueError(
+                f"scaling.memory_per_worker_gib={gib:g} but the largest node offers Ray {largest:.1f} GiB "
+                "of memory: no node can host a worker; lower it, or add larger nodes")
+        if gib * spec.min_world_size > total:
+            raise ValueError(
+                f"{spec.min_world_size} workers x scaling.memory_per_worker_gib={gib:g} need "
+                f"{gib * spec.min_world_size:g} GiB but the cluster's nodes offer Ray {total:.1f} GiB; "
+                "lower scaling.memory_per_worker_gib or scaling.num_workers, or add nodes")
 
 
 __all__ = ["run", "RunResult"]

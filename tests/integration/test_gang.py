@@ -227,7 +227,8 @@ def test_cpus_per_worker_are_counted_with_the_accelerators(gang):
     """The labelled nodes have 4 CPUs and 4 GPUs each. A worker of 8 CPUs could never be placed:
     refused at once, naming the field, before any placement group exists. Two 1-GPU jobs of 3 CPUs
     per worker: one node's CPUs hold only one of them, so they go to two nodes, their bundles ask
-    Ray for the 3 CPUs, and a task asking Ray for 3 CPUs and a GPU runs in each bundle."""
+    Ray for the 3 CPUs (and the 0.25 GiB of memory each asks: scaling.memory_per_worker_gib), and a
+    task asking Ray for 3 CPUs, a GPU and that memory runs in each bundle."""
     import ray
     from ray.util.placement_group import get_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -240,11 +241,13 @@ def test_cpus_per_worker_are_counted_with_the_accelerators(gang):
                                              "largest node has 4 CPUs"):
         reserve("cpu-hog", Parallelism(dp=1), cpus=8, actor=gang, timeout_s=30)
     assert live_groups() == before
-    held = [reserve(f"cpus-{i}", Parallelism(dp=1), cpus=3, actor=gang, timeout_s=60) for i in range(2)]
+    held = [reserve(f"cpus-{i}", Parallelism(dp=1), cpus=3, memory=0.25, actor=gang, timeout_s=60)
+            for i in range(2)]
     nodes = [r.plan.rank_node[0] for r in held]
-    assert len(set(nodes)) == 2 and all(r.plan.bundles == [{"CPU": 3.0, "GPU": 1.0}] for r in held)
+    assert len(set(nodes)) == 2
+    assert all(r.plan.bundles == [{"CPU": 3.0, "GPU": 1.0, "memory": 2.0**28}] for r in held)
 
-    @ray.remote(num_cpus=3, num_gpus=1)
+    @ray.remote(num_cpus=3, num_gpus=1, memory=2**28)
     def where():
         return ray.get_runtime_context().get_node_id()
 

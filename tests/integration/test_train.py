@@ -93,9 +93,11 @@ def test_zero_stages_train_and_agree(stage, tiny_dataset, tmp_path, ray_local):
         if stage == 3 else {"reader": "ray_data"}
     kernels = "fused" if stage == 3 else "eager"
     allocator = "system" if stage == 3 else "auto"
+    # one of the two also reserves memory per worker (Ray's memory resource in Ray Train's bundles)
+    memory = {"memory_per_worker_gib": 0.25} if stage == 3 else {}
     spec = tiny_spec(tiny_dataset, tmp_path, name=f"zero{stage}",
                      strategy={"zero_stage": stage, "kernels": kernels}, data=data,
-                     scaling={"host_allocator": allocator})
+                     scaling={"host_allocator": allocator, **memory})
     probe = tmp_path / "controller-imported-torch"
     _kill_autoscaling_coordinator()
     result = run(spec, progress=False, callbacks=[_controller_torch_probe(probe)])
@@ -203,6 +205,8 @@ def test_infeasible_requests_fail_before_reserving(tiny_dataset, tmp_path, ray_l
         run(tiny_spec(tiny_dataset, tmp_path, scaling={"use_gpu": True}), progress=False)
     with pytest.raises(ValueError, match="needs 64 CPUs"):
         run(tiny_spec(tiny_dataset, tmp_path, scaling={"num_workers": 64}), progress=False)
+    with pytest.raises(ValueError, match="memory_per_worker_gib=4096 but the largest node offers Ray"):
+        run(tiny_spec(tiny_dataset, tmp_path, scaling={"memory_per_worker_gib": 4096}), progress=False)
     with pytest.raises(ValueError, match="fewer than micro_batch_size=4096"):
         run(tiny_spec(tiny_dataset, tmp_path, strategy={"micro_batch_size": 4096}),
             progress=False)

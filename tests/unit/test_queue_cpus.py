@@ -80,7 +80,8 @@ def test_a_tp_group_whose_cpus_no_node_holds_is_refused_and_says_cpus_are_short(
 
 def test_memory_per_worker_is_counted_when_nodes_report_it():
     q = GangQueue(cluster(2, memory_gib=64))
-    with pytest.raises(PlacementError, match="memory=100 per worker, but the largest node has 64 GiB"):
+    with pytest.raises(PlacementError, match=r"memory \(scaling.memory_per_worker_gib\)=100 per worker, "
+                       "but the largest node has 64 GiB"):
         q.submit(job("big", memory=100))
     q.submit(job("a", workers=2, memory=40))
     (d,) = q.tick(0)

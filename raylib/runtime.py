@@ -32,6 +32,7 @@ def connect(
     runtime_env: dict[str, Any] | None = None,
     object_store_memory: int | None = None,
     log_to_driver: bool = True,
+    state_api: bool = True,
 ) -> dict[str, Any]:
     """Connect (or reuse the connection) and return the cluster's total resources.
 
@@ -41,6 +42,12 @@ def connect(
     progress bar instead of a wall of logs; the logs stay in the Ray session's log files); an
     embedded cluster started so runs without Ray's log monitor, so no driver of it (this one, or a
     job submitted to it) gets its workers' output forwarded.
+
+    state_api=False starts an embedded cluster without Ray's dashboard, whose module processes
+    serve the State API: 10 processes, ~0.9 GiB and ~0.02 of a core fewer beside the ranks
+    (bench/models.py). A training run its driver drives needs neither (raylib.train.trainer drops
+    Ray Train's placement-group cleaner, the one asker); a run inside a Ray worker (a Tune trial)
+    keeps that cleaner where the cluster serves the State API (state_api()).
     """
     import ray
 
@@ -71,15 +78,16 @@ def connect(
         # this cluster in every worker of the job. (Not in this process's environment: Ray's job client lets
         # RAY_API_SERVER_ADDRESS override the address it is given.)
         port = _free_port()
-        api_server = f"http://127.0.0.1:{port}"
+        pinned = {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"} if state_api else {}
         kwargs["runtime_env"] = {
             "worker_process_setup_hook": "raylib.runtime.restore_sigint",
             **(runtime_env or {}),
             # Ray Train's preemption watcher (an actor per run polling the nodes' drain state)
             # has no node to watch here: this one node is the driver's own and ends with it
-            # and its workers (a Tune trial running a Trainer) know the cluster is the embedded one
-            "env_vars": {"RAY_API_SERVER_ADDRESS": api_server, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-                         EMBEDDED_ENV: "1", **(runtime_env or {}).get("env_vars", {})},
+            # and its workers (a Tune trial running a Trainer) know the cluster is the embedded one,
+            # and whether it serves the State API
+            "env_vars": {**pinned, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", EMBEDDED_ENV: "1",
+                         STATE_API_ENV: "1" if state_api else "0", **(runtime_env or {}).get("env_vars", {})},
         }
         # raylib starts this cluster for the user: Ray's note that token auth is on (it stays on)
         # is not theirs to act on
@@ -88,7 +96,7 @@ def connect(
             ray.init(
                 address="local",
                 num_cpus=num_cpus,
-                include_dashboard=True,  # Train V2 cleans up placement groups via the State API
+                include_dashboard=state_api,
                 dashboard_host="127.0.0.1",
                 dashboard_port=port,
                 object_store_memory=object_store_memory,
@@ -99,7 +107,7 @@ def connect(
                 _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
                 **kwargs,
             )
-        _embedded["node"] = ray._private.worker._global_node
+        _embedded.update(node=ray._private.worker._global_node, state_api=state_api)
         if not log_to_driver:
             # Ray's log monitor forwards the workers' output to drivers that asked for it. This
             # cluster is this process's own and this driver did not ask: the monitor would only
@@ -111,6 +119,7 @@ def connect(
 
 _embedded: dict[str, Any] = {}  # the local cluster this process started (connect)
 EMBEDDED_ENV = "RAYLIB_EMBEDDED_CLUSTER"  # set in the embedded cluster's job: its workers see it
+STATE_API_ENV = "RAYLIB_STATE_API"  # likewise: "0" where connect(state_api=False) started it
 
 
 def embedded() -> bool:
@@ -124,6 +133,19 @@ def embedded() -> bool:
     worker = ray._private.worker.global_worker
     return worker.connected and worker.mode == ray._private.worker.WORKER_MODE and \
         os.environ.get(EMBEDDED_ENV) == "1"
+
+
+def state_api() -> bool:
+    """Whether the connected cluster serves Ray's State API: False only for an embedded cluster
+    started with connect(state_api=False), asked from its driver or one of its workers (a cluster
+    joined by address is taken to run its dashboard, as `ray start --head` does by default)."""
+    import ray
+
+    if not embedded():
+        return True
+    if _embedded.get("node") is ray._private.worker._global_node:  # its driver
+        return _embedded["state_api"]
+    return os.environ.get(STATE_API_ENV, "1") == "1"
 
 
 @contextlib.contextmanager

@@ -97,9 +97,11 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     user_spec, spec = spec, tiered  # the workers run the second
 
     # The console shows the driver only (progress bar, raylib's warnings, the summary); worker
-    # output stays in Ray's session logs and <run dir>/logs.
+    # output stays in Ray's session logs and <run dir>/logs. An embedded cluster started here
+    # runs without Ray's dashboard: a driver-run trainer needs no State API (_trainer_class).
     resources = runtime.connect(
-        address, num_cpus_needed=spec.world_size * spec.scaling.cpus_per_worker, log_to_driver=False
+        address, num_cpus_needed=spec.world_size * spec.scaling.cpus_per_worker, log_to_driver=False,
+        state_api=False,
     )
     on_gpu = decide_gpu(spec, resources)
     if on_gpu:
@@ -138,7 +140,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
                          part_spec.world_size, spec.elastic_sizes(), ds_config["gradient_accumulation_steps"])
             gpus = worker_gpus(spec, on_gpu)
             try:
-                trainer = _trainer_class(_a_driver_runs_this(), runtime.embedded())(
+                trainer = _trainer_class(not _keeps_cleaner(), runtime.embedded())(
                     worker_loop,
                     train_loop_config={**loop_config(part_spec, ds_config),
                                        "gang": _gang_handle(reservation, resource)},
@@ -226,7 +228,10 @@ def _trainer_class(without_cleaner: bool, without_requests: bool):
       both the controller and its job are gone). In a driver process the driver does that instead
       (remove_orphaned_placement_groups, from the ids RunForwarder sends it), and a driver that
       dies ends its job. A run inside an actor (a Tune trial, which Tune stops by ending its
-      process) keeps the cleaner: nothing of the trial is left to remove it;
+      process) keeps the cleaner: nothing of the trial is left to remove it; except on an
+      embedded cluster without the State API (a notebook whose first run started it), where the
+      cleaner could only fail its polls: there a trial whose process dies leaves its workers'
+      placement group until the driver ends;
     - with `without_requests` (an embedded cluster, which no autoscaler watches), the autoscaling
       coordinator the run's resource requests would go through (raylib.train.scaling)."""
     from ray.train.torch import TorchTrainer
@@ -247,6 +252,14 @@ def _trainer_class(without_cleaner: bool, without_requests: bool):
             return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     return Trainer
+
+
+def _keeps_cleaner() -> bool:
+    """Whether this run keeps Ray Train's placement-group cleaner (see _trainer_class): only a run
+    inside a Ray worker, on a cluster that serves the State API the cleaner polls."""
+    from raylib import runtime
+
+    return not _a_driver_runs_this() and runtime.state_api()
 
 
 def _a_driver_runs_this() -> bool:

@@ -20,19 +20,22 @@ from tests.conftest import REPO
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.chaos]
 
 
-def kill_a_worker_after_the_first_checkpoint(driver: subprocess.Popen, run_dir, timeout_s=600) -> int | None:
+def kill_a_worker_after_the_first_checkpoint(driver: subprocess.Popen, run_dir, timeout_s=600
+                                             ) -> tuple[int | None, list[str]]:
     """SIGKILL one Ray Train worker of `driver`'s embedded cluster once Ray Train has recorded a
-    checkpoint in run_dir. Returns the pid killed (None if the run ended first)."""
+    checkpoint in run_dir. Returns the pid killed (None if the run ended first) and the command
+    lines of the driver's descendants (its cluster's processes) at that moment."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and driver.poll() is None:
         if any(run_dir.glob("checkpoint_*")):
-            workers = [p for p in psutil.Process(driver.pid).children(recursive=True)
-                       if "RayTrainWorker" in " ".join(_cmdline(p))]
+            procs = psutil.Process(driver.pid).children(recursive=True)
+            tree = [" ".join(_cmdline(p)) for p in procs]
+            workers = [p for p, cmd in zip(procs, tree, strict=True) if "RayTrainWorker" in cmd]
             if workers:
                 workers[-1].send_signal(signal.SIGKILL)
-                return workers[-1].pid
+                return workers[-1].pid, tree
         time.sleep(0.05)  # polling interval, not a synchronisation
-    return None
+    return None, []
 
 
 def _cmdline(p: psutil.Process) -> list[str]:
@@ -62,13 +65,17 @@ def test_the_console_shows_the_driver_a_bar_a_restart_warning_and_the_summary(ti
     with out.open("w") as o, err.open("w") as e:
         driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=o, stderr=e, text=True)
         try:
-            killed = kill_a_worker_after_the_first_checkpoint(driver, tmp_path / "tiny")
+            killed, tree = kill_a_worker_after_the_first_checkpoint(driver, tmp_path / "tiny")
             assert driver.wait(timeout=900) == 0, err.read_text()[-4000:]
         finally:
             if driver.poll() is None:
                 driver.kill()
     stdout, stderr = (open(f, newline="").read() for f in (out, err))  # keep the bar's \r as is
     assert killed, "the run ended before a worker could be killed"
+    # raylib run's embedded cluster runs without the dashboard's State API modules (one process
+    # each) and without Ray Train's placement-group cleaner, which would poll them
+    assert any("RayTrainWorker" in c for c in tree) and any("gcs_server" in c for c in tree), tree
+    assert not [c for c in tree if c.startswith("ray-dashboard-") or "PlacementGroupCleaner" in c], tree
 
     # The restart reached the console as one warning naming the rank and the failure count.
     warnings = [ln for ln in console_lines(stderr) if ln.startswith("WARNING")]

@@ -378,13 +378,20 @@ def test_a_dead_controllers_placement_group_is_removed_by_the_driver(tiny_datase
 def test_a_run_inside_a_ray_worker_keeps_rays_placement_group_cleaner(ray_local):
     """A run whose caller is a Ray worker (a Tune trial's actor) can be ended without unwinding
     (Tune stops a trial by ending its process): nothing would be left to remove a dead
-    controller's placement group, so Ray Train's cleaner stays. A driver does without it."""
+    controller's placement group, so Ray Train's cleaner stays. A driver does without it, and so
+    does a worker of an embedded cluster started without the State API the cleaner polls (its
+    job tells its workers: RAYLIB_STATE_API=0)."""
     import ray
 
-    from raylib.train.trainer import _a_driver_runs_this
+    from raylib import runtime
+    from raylib.train.trainer import _a_driver_runs_this, _keeps_cleaner
 
-    assert _a_driver_runs_this()
+    assert _a_driver_runs_this() and not _keeps_cleaner()
     assert ray.get(ray.remote(num_cpus=0)(_a_driver_runs_this).remote()) is False
+    assert runtime.state_api() and ray.get(ray.remote(num_cpus=0)(_keeps_cleaner).remote()) is True
+    without = ray.remote(num_cpus=0)(_keeps_cleaner).options(
+        runtime_env={"env_vars": {runtime.STATE_API_ENV: "0"}})
+    assert ray.get(without.remote()) is False
 
 
 def _report_log(path):

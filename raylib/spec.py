@@ -887,7 +887,21 @@ class CostSpec(_Section):
     catalogue.py, sources there); on CPU none (no device cost is stated)."""
     price_per_kwh: float = Field(0.12, ge=0)
     """Electricity (USD): ~the US industrial average plus margin (EIA Electric Power Monthly)."""
-    currency: str = "USD"
+    currency: str = Field("USD", min_length=1)
+    """The label the prices are in. The catalogue's prices and the default price_per_kwh are USD:
+    another currency needs both prices stated in it."""
+
+    @model_validator(mode="after")
+    def _prices_in_currency(self) -> CostSpec:
+        if self.currency != "USD":
+            missing = [f for f in ("price_per_device_hour", "price_per_kwh")
+                       if f not in self.model_fields_set or getattr(self, f) is None]
+            if missing:
+                fields = " and ".join("cost." + f for f in missing)
+                raise ValueError(f"cost.currency is {self.currency} but the catalogue's prices and the "
+                                 f"default price_per_kwh are USD: set {fields} in {self.currency}, or "
+                                 "leave cost.currency USD")
+        return self
 
 
 class JobSpec(_Section):

@@ -61,6 +61,9 @@ class Accelerator:
     price_per_hour_usd: float | None
     capex_usd: float | None
     sources: tuple[str, ...]
+    system_power_w: float | None = None
+    """Maximum power per device with its share of the reference server (the DGX's system figure /
+    its GPUs): what an owner's power bill sees; None where no system figure is published."""
 
     @property
     def memory_bytes(self) -> float:
@@ -82,34 +85,36 @@ GPU_CATALOGUE: list[Accelerator] = [
     # HBM2 900 GB/s. NVLink 2.0: 6 links x 25 GB/s per direction = 150 GB/s per direction (the
     # datasheet's 300 GB/s is both directions); in the DGX-1 hybrid cube-mesh a GPU reaches only
     # 4 of its 7 peers directly. DGX-1: 4x 100 Gb/s EDR IB for 8 GPUs = 50 Gb/s = 6.25 GB/s each.
-    # Price: AWS p3.16xlarge (8x V100 SXM2 *16GB*) $24.48/h, us-east-1 on-demand (list price since
-    # the 2017 launch; vantage mirror snapshot 2026-01-21) / 8 = $3.06. The 32GB part is in
-    # p3dn.24xlarge, $31.212/h (/8 = $3.90), which also carries a 100 Gb/s NIC.
+    # Price: the 32GB part is in AWS p3dn.24xlarge (8x V100 SXM2 32GB, a 100 Gb/s NIC) $31.212/h,
+    # us-east-1 on-demand (vantage mirror snapshot 2026-01-21) / 8 = $3.90; the 16GB part's
+    # p3.16xlarge is $24.48/h (/8 = $3.06).
     # Capex: DGX-1 with V100 list price $149,000 at GTC May 2017 (tweaktown.com/news/57488,
     # nextplatform.com/2017/05/19/big-bang-buck-jump-new-dgx-1) / 8; launched with 16GB GPUs.
-    # Memory: 4 HBM2 stacks x 8 GiB = 32 GiB (32768 MiB).
+    # Memory: 4 HBM2 stacks x 8 GiB = 32 GiB (32768 MiB). System power: DGX-1 datasheet, 3,500 W
+    # maximum for 8 GPUs.
     Accelerator(
         name="NVIDIA V100 SXM2 32GB", match=(r"V100-SXM2-32GB",),
         peak_flops={"fp32": 15.7 * T, "fp16": 125 * T}, memory_gb=32, memory_gib=32, tdp_w=300,
         interconnect="NVLink 2.0 300 GB/s", key="v100", kind="gpu",
         memory_bandwidth_gbs=900, link_gbs=150, devices_per_node=8, nic_gbs=6.25,
-        price_per_hour_usd=24.48 / 8, capex_usd=149_000 / 8,
+        price_per_hour_usd=31.212 / 8, capex_usd=149_000 / 8, system_power_w=3500 / 8,
         sources=(_V100_DATASHEET, _DGX1_WP, "https://aws.amazon.com/ec2/instance-types/p3/", _VANTAGE,
                  "https://www.tweaktown.com/news/57488/nvidia-tesla-v100-single-slot-150w-dual-300w/index.html")),
     # NVIDIA A100 Tensor Core GPU datasheet (2021), 80GB SXM: FP32 19.5, TF32 156, BF16/FP16 312
     # TFLOPS dense (the sheet's 312/624 are with sparsity); HBM2e 2,039 GB/s; NVLink 3.0 600 GB/s
     # both directions = 300 per direction. DGX A100: 8x 200 Gb/s HDR IB (ConnectX-6), one per GPU
-    # = 25 GB/s. Price: AWS p4d.24xlarge (8x A100 *40GB*) $21.957642/h us-east-1 on-demand after
-    # AWS's June 2025 GPU price cut (vantage mirror snapshot 2026-08-26; $32.7726/h before it) / 8
-    # = $2.745. The 80GB part is in p4de.24xlarge, $27.44705/h (/8 = $3.43; datareceipts 109-gpu-
-    # pricing, read 2026-11-09). Capex: DGX A100 launch price $199,000 (May 2020, 8x A100 40GB) / 8.
-    # Memory: nvidia-smi reports 81920 MiB = 80 GiB (5 HBM2e stacks x 16 GiB).
+    # = 25 GB/s. Price: the 80GB part is in AWS p4de.24xlarge, $27.44705/h us-east-1 on-demand
+    # (datareceipts 109-gpu-pricing, read 2026-11-09) / 8 = $3.43; the 40GB part's p4d.24xlarge is
+    # $21.957642/h after AWS's June 2025 GPU price cut (vantage mirror snapshot 2026-08-26;
+    # $32.7726/h before it; /8 = $2.745). Capex: DGX A100 launch price $199,000 (May 2020, 8x A100 40GB) / 8.
+    # Memory: nvidia-smi reports 81920 MiB = 80 GiB (5 HBM2e stacks x 16 GiB). System power: DGX
+    # A100 datasheet, 6.5 kW maximum for 8 GPUs.
     Accelerator(
         name="NVIDIA A100 SXM 80GB", match=(r"A100-SXM4?-80GB", r"A100 SXM4? 80GB"),
         peak_flops={"fp32": 19.5 * T, "tf32": 156 * T, "fp16": 312 * T, "bf16": 312 * T},
         memory_gb=80, memory_gib=80, tdp_w=400, interconnect="NVLink 3.0 600 GB/s", key="a100", kind="gpu",
         memory_bandwidth_gbs=2039, link_gbs=300, devices_per_node=8, nic_gbs=25,
-        price_per_hour_usd=21.957642 / 8, capex_usd=199_000 / 8,
+        price_per_hour_usd=27.44705 / 8, capex_usd=199_000 / 8, system_power_w=6500 / 8,
         sources=("NVIDIA A100 Tensor Core GPU datasheet (2021): https://www.nvidia.com/en-us/data-center/a100/",
                  "NVIDIA DGX A100 datasheet / user guide (8x ConnectX-6 200 Gb/s HDR InfiniBand)",
                  "https://aws.amazon.com/ec2/instance-types/p4/", _VANTAGE,
@@ -124,12 +129,13 @@ GPU_CATALOGUE: list[Accelerator] = [
     # Capex: an assumed $310,000 per 8-GPU HGX H100 server with 8x 400G IB NICs (a public cost
     # sheet of Aug 2024 citing a ~$317k Thinkmate quote) / 8; no NVIDIA list price is published.
     # Memory: 5 HBM3 stacks x 16 GiB = 80 GiB (nvidia-smi: 81559 MiB, the driver reserving a little).
+    # System power: DGX H100 datasheet, ~10.2 kW maximum for 8 GPUs.
     Accelerator(
         name="NVIDIA H100 SXM", match=(r"H100 80GB HBM3", r"H100.*SXM"),
         peak_flops={"fp32": 67 * T, "tf32": 494.5 * T, "fp16": 989.5 * T, "bf16": 989.5 * T, "fp8": 1979 * T},
         memory_gb=80, memory_gib=80, tdp_w=700, interconnect="NVLink 4.0 900 GB/s", key="h100", kind="gpu",
         memory_bandwidth_gbs=3350, link_gbs=450, devices_per_node=8, nic_gbs=50,
-        price_per_hour_usd=55.04 / 8, capex_usd=310_000 / 8,
+        price_per_hour_usd=55.04 / 8, capex_usd=310_000 / 8, system_power_w=10_200 / 8,
         sources=("NVIDIA H100 Tensor Core GPU datasheet: https://www.nvidia.com/en-us/data-center/h100/",
                  "NVIDIA DGX H100 user guide (8x ConnectX-7 400 Gb/s NDR for compute): "
                  "https://docs.nvidia.com/dgx/dgxh100-user-guide/",
@@ -143,13 +149,14 @@ GPU_CATALOGUE: list[Accelerator] = [
     # / 8 = $7.912. Capex: an assumption, no quote found: ~$350,000 per 8-GPU HGX H200 server
     # (the H100 server above plus ~13% for the HBM3e) / 8. Memory: nvidia-smi reports 143771 MiB =
     # 140.4 GiB (the "141 GB"). Match: not the H200 NVL, nor the GH200 superchip (another part).
+    # System power: DGX H200 datasheet, ~10.2 kW maximum for 8 GPUs.
     Accelerator(
         name="NVIDIA H200 SXM", match=(r"\bH200(?!.*NVL)",),
         peak_flops={"fp32": 67 * T, "tf32": 494.5 * T, "fp16": 989.5 * T, "bf16": 989.5 * T, "fp8": 1979 * T},
         memory_gb=141, memory_gib=143771 / 1024, tdp_w=700, interconnect="NVLink 4.0 900 GB/s", key="h200",
         kind="gpu",
         memory_bandwidth_gbs=4800, link_gbs=450, devices_per_node=8, nic_gbs=50,
-        price_per_hour_usd=63.296 / 8, capex_usd=350_000 / 8,
+        price_per_hour_usd=63.296 / 8, capex_usd=350_000 / 8, system_power_w=10_200 / 8,
         sources=("NVIDIA H200 Tensor Core GPU datasheet: https://www.nvidia.com/en-us/data-center/h200/",
                  "NVIDIA DGX H200 datasheet (8x ConnectX-7 400 Gb/s NDR)",
                  "https://aws.amazon.com/ec2/instance-types/p5/", _VANTAGE)),

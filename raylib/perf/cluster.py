@@ -260,10 +260,6 @@ class ClusterSpec(_Section):
         others = (ranks_on_node - 1) * self.cores_per_device
         return max(0.0, min(1.0, others / (self.host_cores_per_node - self.cores_per_device)))
 
-    def price(self) -> float | None:
-        stated = self.price_per_device_hour
-        return stated if stated is not None else self.row.price_per_hour_usd
-
 
 def _first_error(e: ValidationError) -> str:
     err = e.errors()[0]

@@ -26,6 +26,23 @@ def device_price(spec, summary: dict[str, Any]) -> tuple[float | None, str]:
     return None, "none stated (set cost.price_per_device_hour)"
 
 
+def predicted_prices(cost, cluster) -> tuple[float | None, str, float]:
+    """(price per device-hour, where it comes from, price per kWh) for pricing a prediction on
+    `cluster`: what the JobSpec's `cost` section states (the price its finished run is charged at),
+    else the cluster file's, else the catalogue's cloud price for the cluster's accelerator (none
+    where the devices are a host's own cores, as for a finished CPU run)."""
+    stated = cost.model_fields_set if cost is not None else set()
+    kwh = cost.price_per_kwh if "price_per_kwh" in stated else cluster.price_per_kwh
+    if "price_per_device_hour" in stated and cost.price_per_device_hour is not None:
+        return cost.price_per_device_hour, "cost.price_per_device_hour", kwh
+    if cluster.price_per_device_hour is not None:
+        return cluster.price_per_device_hour, "the cluster's price_per_device_hour", kwh
+    # where the devices are a host's cores (this machine), the catalogue's price is a whole node's
+    if cluster.host_cores_per_node is None and cluster.row.price_per_hour_usd is not None:
+        return cluster.row.price_per_hour_usd, f"catalogue: {cluster.row.name} cloud on-demand", kwh
+    return None, "none stated (set cost.price_per_device_hour)", kwh
+
+
 def run_cost(spec, summary: dict[str, Any]) -> dict[str, Any]:
     devices = summary["world_size"]
     device_hours = devices * summary["wall_s"] / 3600

@@ -85,7 +85,7 @@ def local_cluster(spec, calibration=None, world: int | None = None,
         "host_cores_per_node": os.cpu_count(), "cores_per_device": cpus,
         "peak_flops": peaks, "memory_gb": memory / world / 1e9, "memory_bandwidth_gbs": 40.0,
         "levels": [{"name": "host", "devices": None, "bandwidth_gbs": 5.0, "latency_us": 20.0}],
-        "tiers": [t.model_dump() for t in tiers], "price_per_device_hour": 0.05,
+        "tiers": [t.model_dump() for t in tiers],
     }
     if calibration is not None:
         data["calibration"] = calibration
@@ -93,28 +93,29 @@ def local_cluster(spec, calibration=None, world: int | None = None,
 
 
 def cost_of(prediction: Prediction, cluster: ClusterSpec, workload: Workload, steps: int,
-            tdp_w: float | None = None) -> dict[str, Any]:
-    """Time, device-hours, cost, energy of `steps` steps (priced at the cluster's rates). As for a
-    finished run (perf/cost.py: one definition): cost = device-hours x the price per device-hour,
-    which pays for the device's power (a cloud price includes it), so the energy and its cost are
-    reported beside it, not added; cost per million tokens = that cost / the tokens trained."""
+            tdp_w: float | None = None, cost=None) -> dict[str, Any]:
+    """Time, device-hours, cost, energy of `steps` steps, priced as the JobSpec's `cost` section
+    (`cost`) states, else at the cluster's rates (perf/cost.py predicted_prices). As for a finished
+    run (perf/cost.py: one definition): cost = device-hours x the price per device-hour, which pays
+    for the device's power (a cloud price includes it), so the energy and its cost are reported
+    beside it, not added; cost per million tokens = that cost / the tokens trained."""
+    from raylib.perf.cost import predicted_prices
+
     hours = prediction.step_s * steps / 3600
     device_hours = hours * workload.world
-    price = cluster.price()
-    source = ("the cluster's price_per_device_hour" if cluster.price_per_device_hour is not None
-              else f"catalogue: {cluster.row.name} cloud on-demand")
+    price, source, per_kwh = predicted_prices(cost, cluster)
     watts = tdp_w if tdp_w is not None else (cluster.tdp_w or cluster.row.tdp_w)
     energy_kwh = device_hours * watts / 1000 * cluster.pue
     tokens = workload.tokens_per_step * steps
     device_cost = device_hours * price if price is not None else None
-    energy_cost = energy_kwh * cluster.price_per_kwh
-    return {"wall_h": hours, "device_hours": device_hours, "price_per_device_hour": price,
-            "price_source": source if price is not None else None, "cost": device_cost,
+    currency = cost.currency if cost is not None else "USD"
+    return {"currency": currency, "wall_h": hours, "device_hours": device_hours,
+            "price_per_device_hour": price, "price_source": source, "cost": device_cost,
             "cost_per_million_tokens": device_cost / tokens * 1e6 if device_cost is not None and tokens
             else None,
-            "energy_kwh": energy_kwh, "energy_cost": energy_cost, "tokens": tokens,
+            "energy_kwh": energy_kwh, "energy_cost": energy_kwh * per_kwh, "tokens": tokens,
             "assumptions": [f"power: TDP {watts:.0f} W per device x PUE {cluster.pue} (an upper bound)",
-                            f"electricity {cluster.price_per_kwh} per kWh"]}
+                            f"electricity {per_kwh:g} {currency} per kWh"]}
 
 
 # -- CLI ----------------------------------------------------------------------------------------------
@@ -155,7 +156,7 @@ def estimate_main(args: argparse.Namespace) -> int:
             prediction.assumptions.append("data: not modelled (the cluster file states no storage tiers; "
                                           "add tiers: [{name: cold, read_gbs: ...}])")
     steps = args.steps or spec.run.steps
-    cost = cost_of(prediction, cluster, workload, steps)
+    cost = cost_of(prediction, cluster, workload, steps, cost=spec.cost)
     if args.json:
         print(json.dumps({"prediction": prediction.to_dict(), "cost": cost, "steps": steps,
                           "cluster": cluster.model_dump()}, indent=2, default=str))
@@ -165,7 +166,7 @@ def estimate_main(args: argparse.Namespace) -> int:
 
 
 def render(name: str, p: Prediction, cost: dict[str, Any], cluster: ClusterSpec, steps: int) -> str:
-    gib = 1 << 30
+    gib, money = 1 << 30, cost["currency"]
     where = f"{cluster.name}, {cluster.devices} devices" if cluster.name else \
         f"{cluster.devices} x {cluster.row.name}"
     lines = [f"{name} on {where} ({cluster.calibration.source})",
@@ -175,11 +176,12 @@ def render(name: str, p: Prediction, cost: dict[str, Any], cluster: ClusterSpec,
              f"  memory      {p.memory_bytes_per_rank / gib:.2f} GiB per rank of "
              f"{p.memory_limit_bytes / gib:.1f} GiB" + ("" if p.fits else "  DOES NOT FIT"),
              f"  {steps} steps  {cost['wall_h']:.2f} h, {cost['device_hours']:.1f} device-hours"
-             + (f", {cost['cost']:,.2f} USD ({cost['cost_per_million_tokens']:.3f} per million tokens) at "
-                f"{cost['price_per_device_hour']:,.4g} USD per device-hour ({cost['price_source']})"
-                if cost["cost"] is not None else ", no price (set price_per_device_hour)"),
-             f"  energy      {cost['energy_kwh']:.2f} kWh, {cost['energy_cost']:,.2f} USD (paid within the "
-             "device-hour price: not added to the cost)",
+             + (f", {cost['cost']:,.2f} {money} ({cost['cost_per_million_tokens']:.3f} per million tokens) "
+                f"at {cost['price_per_device_hour']:,.4g} {money} per device-hour ({cost['price_source']})"
+                if cost["cost"] is not None else f", no price: {cost['price_source']}"),
+             f"  energy      {cost['energy_kwh']:.2f} kWh, {cost['energy_cost']:,.2f} {money} "
+             + ("(paid within the device-hour price: not added to the cost)" if cost["cost"] is not None
+                else "(no device price to compare it with)"),
              "  assumptions: " + "; ".join(p.assumptions + cost["assumptions"])]
     return "\n".join(lines)
 

@@ -442,6 +442,9 @@ def main(args: argparse.Namespace) -> int:
         row = accelerator(args.accelerator)
         catalogue = {"device_capex": row.capex_usd, "cloud_price_per_device_hour": row.price_per_hour_usd}
         data.update({k: v for k, v in catalogue.items() if v is not None})
+        # its power too, not the default's H100-class server: the system figure, else the device's TDP
+        power = row.system_power_w if row.system_power_w is not None else row.tdp_w
+        data["device_power_w"] = power
     user: dict[str, Any] = {}
     if args.config:
         from raylib.fileio import load_yaml_mapping
@@ -465,6 +468,10 @@ def main(args: argparse.Namespace) -> int:
                              + f", or set currency={CATALOGUE_CURRENCY}")
         if used:
             notes.append(f"{' and '.join(used)}: the catalogue's {row.name} row (sources there)")
+        if "device_power_w" not in user:
+            notes.append(f"device_power_w {power:g} W: the catalogue's {row.name} "
+                         + ("system power per device, its server share included" if row.system_power_w
+                            is not None else "TDP (no server share published: set device_power_w to add it)"))
     result = compare(spec, notes)
     if args.plot:
         plot(spec, args.plot)

@@ -27,7 +27,9 @@ def rank(spec, settings, cluster) -> list[dict[str, Any]]:
                         shape=shape, precisions=tuple(p for p in ("fp32", "fp16", "bf16") if p in peaks))
     global_batch = resolve_ds_config(spec)["train_batch_size"]
     base = _portable(spec)
-    price = settings.price_per_device_hour or cluster.price()
+    from raylib.perf.cost import predicted_prices
+
+    price = settings.price_per_device_hour or predicted_prices(spec.cost, cluster)[0]
     rows = []
     for c in candidates(base, settings, global_batch, hardware, model_config(spec, index)):
         row: dict[str, Any] = {"config": c.config, "status": c.status, "note": c.reason}

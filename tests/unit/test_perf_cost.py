@@ -232,3 +232,43 @@ def test_estimate_bad_cluster_yaml_and_bad_steps_are_one_error_line(tmp_path):
     for steps in ("-5", "0"):
         out = _cli("estimate", "jobs/configs/demo.yaml", "--steps", steps)
         assert out.returncode == 2 and "give a number of steps >= 1" in out.stderr
+
+
+def test_estimate_prices_as_the_jobs_cost_section_states_over_the_cluster_and_catalogue(tmp_path):
+    """The JobSpec's `cost` is what its finished run is charged at: a prediction uses it first."""
+    cluster = tmp_path / "a100.yaml"
+    cluster.write_text("accelerator: a100\ndevices: 8\nprice_per_device_hour: 2.0\nprice_per_kwh: 0.3\n")
+    args = ("estimate", "jobs/configs/demo.yaml", "--cluster", str(cluster), "--json")
+    by_cluster = json.loads(_cli(*args).stdout)["cost"]
+    assert by_cluster["price_per_device_hour"] == 2.0 and "cluster" in by_cluster["price_source"]
+    assert by_cluster["energy_cost"] == pytest.approx(by_cluster["energy_kwh"] * 0.3)
+    stated = ("--set", "cost.price_per_device_hour=7.0", "--set", "cost.price_per_kwh=0.9",
+              "--set", "cost.currency=RMB")
+    by_job = json.loads(_cli(*args, *stated).stdout)["cost"]
+    assert by_job["price_per_device_hour"] == 7.0 and by_job["price_source"] == "cost.price_per_device_hour"
+    assert by_job["cost"] == pytest.approx(by_job["device_hours"] * 7.0)
+    assert by_job["energy_cost"] == pytest.approx(by_job["energy_kwh"] * 0.9)
+    human = _cli(*args[:-1], *stated)
+    assert "at 7 RMB per device-hour" in human.stdout and "USD" not in human.stdout, human.stdout
+
+
+def test_another_currency_needs_both_prices_stated_in_it():
+    from raylib.spec import SpecError
+
+    with pytest.raises((SpecError, ValueError), match=r"cost.price_per_device_hour and cost.price_per_kwh"):
+        JobSpec.from_dict({"cost": {"currency": "RMB"}})
+    with pytest.raises((SpecError, ValueError), match=r"set cost.price_per_kwh in RMB"):
+        JobSpec.from_dict({"cost": {"currency": "RMB", "price_per_device_hour": 5}})
+    ok = JobSpec.from_dict({"cost": {"currency": "RMB", "price_per_device_hour": 5, "price_per_kwh": 0.8}})
+    assert run_cost(ok, summary())["currency"] == "RMB"
+
+
+def test_this_machines_cores_have_no_price_unless_stated():
+    out = _cli("estimate", "jobs/configs/demo.yaml", "--json")
+    assert out.returncode == 0, out.stderr
+    cost = json.loads(out.stdout)["cost"]
+    assert cost["price_per_device_hour"] is None and cost["cost"] is None
+    assert "cost.price_per_device_hour" in cost["price_source"]
+    priced = json.loads(_cli("estimate", "jobs/configs/demo.yaml", "--json",
+                             "--set", "cost.price_per_device_hour=0.5").stdout)["cost"]
+    assert priced["cost"] == pytest.approx(priced["device_hours"] * 0.5)

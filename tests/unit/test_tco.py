@@ -191,3 +191,22 @@ def test_cli_takes_capex_and_cloud_price_from_the_catalogue(capsys):
         _cli(["--accelerator", "asic"])
     with pytest.raises(ValueError, match="tpu9"):
         _cli(["--accelerator", "tpu9"])
+
+
+def test_cli_takes_the_accelerators_power_from_the_catalogue_not_the_h100_default(capsys):
+    """--accelerator v100 is billed a DGX-1's power share (3,500 W / 8), not the default's DGX H100
+    share; a device without a published system figure is billed its TDP, and --set still wins."""
+    from raylib.perf.catalogue import accelerator
+
+    def spec_and_notes(*args):
+        assert _cli([*args, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        return out["spec"], " ".join(out["assumptions"])
+
+    v100, notes = spec_and_notes("--accelerator", "v100")
+    assert v100["device_power_w"] == pytest.approx(3500 / 8) != TcoSpec().device_power_w
+    assert "437.5 W" in notes and "server share included" in notes
+    cpu, notes = spec_and_notes("--accelerator", "cpu")
+    assert cpu["device_power_w"] == accelerator("cpu").tdp_w and "TDP" in notes
+    stated, _ = spec_and_notes("--accelerator", "v100", "--set", "device_power_w=500")
+    assert stated["device_power_w"] == 500

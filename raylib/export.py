@@ -53,9 +53,10 @@ RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of
 # imports DeepSpeed; tests/unit/test_export_unit.py checks they agree)
 RAY_TRAIN_TAG = "deepspeed"
 POINTER = "raylib-checkpoint.json"
-_ZERO_OPTIM = re.compile(r"(^|/)zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+# ZeRO's files carry a bf16_ prefix under bf16 (DeepSpeed engine._get_zero_ckpt_prefix)
+_ZERO_OPTIM = re.compile(r"(^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 _LAYER_FILE = re.compile(r"^layer_(\d+)-model_00-model_states\.pt$")  # pipeline: tp 1
-_TP_SHARD = re.compile(r"(^|/)(zero_pp_rank_\d+_)?mp_rank_0*[1-9]\d*_")  # tensor-parallel rank >= 1
+_TP_SHARD = re.compile(r"(^|/)((bf16_)?zero_pp_rank_\d+_)?mp_rank_0*[1-9]\d*_")  # tensor-parallel rank >= 1
 _MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 # special-token roles of index.json -> PreTrainedTokenizerFast keyword

@@ -37,7 +37,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngi
 
 from raylib.checkpoint.capture import Flat, flatten, for_load
 
-PER_RANK = re.compile(r"(^|/)zero_pp_rank_\d+_")  # ZeRO's per-rank files
+# ZeRO's per-rank files; under bf16 DeepSpeed prefixes them (engine._get_zero_ckpt_prefix)
+PER_RANK = re.compile(r"(^|/)(bf16_)?zero_pp_rank_\d+_")
 # raylib's own per-rank state beside them (gradient compression's error feedback): named like
 # ZeRO's so that each rank fetches its own only, but no part of DeepSpeed's (universal) format
 RANK_STATE = "raylib_rank_state.pt"

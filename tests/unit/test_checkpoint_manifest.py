@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -99,6 +100,26 @@ def test_deepspeed_file_roles():
     assert not shared("global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt")
     assert needs_universal(["global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt"])
     assert not needs_universal(["global_step4/mp_rank_00_model_states.pt", "latest"])
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_zero_optimizer_shards_are_per_rank_as_deepspeed_names_them(bf16):
+    """Under bf16 DeepSpeed prefixes every ZeRO optimizer shard with bf16_: still a per-rank file
+    (fetched by its own rank only) that ties the checkpoint to its world size (a resize converts it
+    to a universal checkpoint), and export still gathers the fp32 partitions from it."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from raylib.export import _ZERO_OPTIM
+
+    # DeepSpeed's own naming (engine._get_rank_zero_ckpt_name: it reads nothing of the engine but
+    # its prefix method)
+    engine = SimpleNamespace(_get_zero_ckpt_prefix=lambda dp_rank, bf16_mode:
+                             DeepSpeedEngine._get_zero_ckpt_prefix(None, dp_rank, bf16_mode))
+    name = DeepSpeedEngine._get_rank_zero_ckpt_name(engine, "", "global_step4", 0, 1, bf16)
+    assert name.startswith("global_step4/") and name.endswith("zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert name.split("/")[-1].startswith("bf16_") == bf16
+    assert not shared(name) and needs_universal([name, "global_step4/mp_rank_00_model_states.pt"])
+    assert _ZERO_OPTIM.search(name)[2] == "1"
 
 
 # -- captured state dicts: split into a skeleton and tensors, serialised by the keepers ------------

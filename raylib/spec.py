@@ -143,6 +143,11 @@ class SpecError(ValueError):
     """A job spec that cannot run as written. The message names the key and the fix."""
 
 
+# checkpoint.checkpointer.MAX_PENDING: snapshots a rank may have on their way to the keepers, so how
+# far it may run ahead of the slowest rank (not imported: that module imports DeepSpeed)
+MIN_KEEP_IN_MEMORY = 2
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -640,8 +645,9 @@ class CheckpointSpec(_Section):
     a relative local path is resolved against the submitting directory)."""
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
     """fsspec options for persist_url (credentials come from the environment)."""
-    keep_in_memory: int = Field(2, ge=1)
-    """Snapshots kept in the object store per run (oldest dropped first)."""
+    keep_in_memory: int = 2
+    """Snapshots kept in the object store per run (oldest dropped first); at least
+    MIN_KEEP_IN_MEMORY."""
     keep_persisted: int = Field(2, ge=1)
     """Persisted snapshots kept at persist_url: the run's newest complete ones, over all of its
     fits (a resumed fit trims the earlier fits' older steps once it has persisted one)."""
@@ -652,6 +658,16 @@ class CheckpointSpec(_Section):
     on other nodes); the last of a run and a preemption's are always persisted. Frequent cheap
     snapshots, rarer uploads: a lost worker or node resumes from memory, a lost cluster loses at
     most this much (CheckFreq, Gemini)."""
+
+    @field_validator("keep_in_memory")
+    @classmethod
+    def _keeps_a_complete_step(cls, v: int) -> int:
+        if v < MIN_KEEP_IN_MEMORY:
+            raise ValueError(f"keep_in_memory={v}: keep at least {MIN_KEEP_IN_MEMORY}. A rank may hand "
+                             f"over {MIN_KEEP_IN_MEMORY} snapshots ahead of the slowest rank, so fewer "
+                             "would drop its part of the newest step every rank has before the slowest "
+                             "one completes it")
+        return v
 
     @field_validator("persist_every", mode="before")
     @classmethod

@@ -447,12 +447,23 @@ def test_checkpoint_section_rejects_impossible_values():
     for section, fragment in [({"replicas": -1}, "checkpoint.replicas"),
                               ({"max_store_fraction": 1.5}, "checkpoint.max_store_fraction"),
                               ({"keep_in_memory": 0}, "checkpoint.keep_in_memory"),
+                              ({"keep_in_memory": 1}, "keep_in_memory=1: keep at least 2"),
                               ({"persist_every": 0}, "checkpoint.persist_every"),
                               ({"persist_every": "10 minutes"}, "write e.g. 30s, 10m or 1h"),
                               ({"persist_every": True}, "True is not a cadence; give a count of snapshots"),
                               ({"persist": "s3://x"}, "checkpoint.persist: unknown key")]:
         with pytest.raises(SpecError, match=fragment):
             JobSpec.from_dict({"checkpoint": section})
+
+
+def test_keep_in_memory_holds_as_many_snapshots_as_a_rank_may_run_ahead():
+    """A rank may hand over MAX_PENDING snapshots before the slowest rank hands over the oldest:
+    keeping fewer would drop its part of the step that becomes the newest complete one."""
+    from raylib.checkpoint.checkpointer import MAX_PENDING
+    from raylib.spec import MIN_KEEP_IN_MEMORY
+
+    assert MIN_KEEP_IN_MEMORY == MAX_PENDING
+    assert JobSpec.from_dict({"checkpoint": {"keep_in_memory": MAX_PENDING}}).checkpoint.keep_in_memory == 2
 
 
 def test_object_store_fields_without_in_memory_are_an_error():

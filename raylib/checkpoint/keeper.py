@@ -235,9 +235,7 @@ class CheckpointKeeper:
                 target.write_part(step, rank, world_size, dict(zip(refs, values, strict=True)), meta)
                 del values
                 t1 = time.perf_counter()
-                target.retain(policy.keep_persisted)
                 self._time(run, "persist", t1 - t0)
-                self._time(run, "retain", time.perf_counter() - t1)
                 with self._lock:
                     key = self._inflight[job][1]
                     part = self._parts.get(key)
@@ -247,6 +245,16 @@ class CheckpointKeeper:
                 log.warning("persisting checkpoint %s step %d rank %d failed: %s", run, step, rank, e)
                 with self._lock:
                     self._errors.setdefault(run, []).append(f"step {step} rank {rank}: {e}")
+            else:  # the part is persisted whatever its clean-up does: the next persist retries it
+                try:
+                    target.retain(policy.keep_persisted)
+                    self._time(run, "retain", time.perf_counter() - t1)
+                except Exception as e:
+                    log.warning("removing checkpoint %s's older persisted steps failed: %s", run, e)
+                    with self._lock:
+                        self._errors.setdefault(run, []).append(
+                            f"step {step} rank {rank} was persisted, but removing older persisted steps "
+                            f"(keep_persisted) failed: {e}")
             finally:
                 with self._lock:
                     del self._inflight[job]
@@ -295,9 +303,12 @@ class CheckpointKeeper:
         deadline = time.monotonic() + timeout_s
         self._reap(run, timeout_s)
         with self._lock:
-            self._lock.wait_for(lambda: all(r != run for r, _, _ in self._inflight.values()),
-                                timeout=max(0.0, deadline - time.monotonic()))
-            return {"errors": list(self._errors.get(run, [])),
+            done = self._lock.wait_for(lambda: all(r != run for r, _, _ in self._inflight.values()),
+                                       timeout=max(0.0, deadline - time.monotonic()))
+            late = [] if done else [
+                f"persisting {sum(r == run for r, _, _ in self._inflight.values())} part(s) was still in "
+                f"progress after {timeout_s:g} s: those steps are not persisted yet"]
+            return {"errors": list(self._errors.get(run, [])) + late,
                     "persisted": sorted(k[1] for k, p in self._parts.items() if k[0] == run and p.persisted),
                     "timings": {k: list(v) for k, v in self._timings.get(run, {}).items()}}
 

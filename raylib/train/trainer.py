@@ -462,16 +462,24 @@ def last_checkpoint(spec: JobSpec, run_dir: Path) -> str:
             if origin and origin["run"] != run:   # own: a rerun resumes where it had resumed from
                 stores.append(CheckpointStore(origin["run"],
                                               dataclasses.replace(policy, persist_url=origin["persist_url"])))
-            step = None
+            step = held = None
             for store in stores:
+                newest = store.complete_steps(persisted=False)
                 step = store.persist_newest()
-                if step is not None:  # persisted: the keepers outlive this job, their copies would not
-                    store.drop()      # be read again, yet count against every later job's budget
+                if step is not None:
+                    held = newest[0][0] if newest and newest[0][0] > step else None
+                    if held is None:  # persisted: the keepers outlive this job, their copies would not
+                        store.drop()  # be read again, yet count against every later job's budget
                     run, policy = store.run, store.policy
                     break
         except Exception as e:  # the cluster may be what failed
             log.warning("could not persist the newest in-memory checkpoint: %s", e)
-            step = None
+            step = held = None
+        if step is not None and held is not None:
+            return (f"The newest persisted checkpoint is step {step} ({policy.persist_url}/{run}); step "
+                    f"{held} is complete in the object store but could not be persisted. It is kept "
+                    f"there: running the same job again resumes from it while this cluster lives, else "
+                    f"from step {step}.")
         if step is not None:
             return (f"The last good checkpoint is step {step} (object store, persisted to "
                     f"{policy.persist_url}/{run}); running the same job again resumes from it.")

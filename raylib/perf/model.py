@@ -21,9 +21,11 @@ pipeline-parallel degrees t and p):
   Tensor parallelism all-reduces b*s*h activations 4 times per layer and micro-batch (Megatron: 2
   forward, 2 backward), on the critical path; pipelines send b*s*h per micro-batch and boundary
   and idle (p-1)/(M+p-1) of the time (the bubble). Compression scales the gradient bytes.
-- overlap, modelled: with overlap_comm the gradient reduction hides behind `overlap` x the
-  backward compute (2/3 of it), except its last bucket; ZeRO-3's weight gathers are prefetched
-  behind compute likewise. Nothing else overlaps.
+- overlap, modelled per micro-batch: with overlap_comm a gradient reduction hides behind `overlap` x
+  the backward (2/3 of the compute) of the micro-batch it follows, except its last bucket: ZeRO-0/1
+  reduce once, after the last micro-batch, ZeRO-2/3 after each. ZeRO-3's weight gathers are
+  prefetched, the forward's behind the forward, the backward's behind the backward they share with
+  the reduction. Nothing else overlaps.
 - optimizer: AdamW reads and writes ~16 bytes of state per trainable parameter it owns (ZeRO-1+:
   1/d of them) over the memory bandwidth.
 - contention: where the devices are a CPU node's own cores, a rank computes slower while its
@@ -225,13 +227,25 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
         if s.zero_stage == 3:
             gather = 2 * micro * _collective_s("all_gather", dp, weights, layers, dp_level, cal, dp_hops,
                                                dp_eff)
-    backward = BACKWARD_SHARE * compute
-    if s.overlap_comm:
-        last = reduce / (buckets * (micro if s.zero_stage >= 2 else 1))
-        reduce_exposed = max(reduce - overlap * backward, last)
+    # overlap, per micro-batch: a reduction hides behind the backward of the micro-batch it follows
+    # (ZeRO-0/1 reduce after the last one only, ZeRO-2/3 after each), except its last bucket;
+    # ZeRO-3 prefetches its gathers, the forward's behind the forward, the backward's behind the
+    # backward, which they share with the reduction (one link, one compute window)
+    backward_micro = BACKWARD_SHARE * compute / micro
+    forward_window = overlap * (compute / micro - backward_micro)
+    backward_window = overlap * backward_micro
+    reductions = micro if s.zero_stage >= 2 else 1
+    r = reduce / reductions
+    if s.zero_stage == 3:
+        g = gather / (2 * micro)  # one micro-batch's forward gathers, and its backward's
+        exposed_forward = max(g - forward_window, g / layers)
+        exposed_backward = max(g + r - backward_window, g / layers + r / buckets) if s.overlap_comm \
+            else max(g - backward_window, g / layers) + r
+        dp_exposed = micro * (exposed_forward + exposed_backward)
+    elif s.overlap_comm:
+        dp_exposed = reductions * max(r - backward_window, r / buckets) + gather
     else:
-        reduce_exposed = reduce
-    gather_exposed = max(gather - overlap * compute, gather / layers) if s.zero_stage == 3 else gather
+        dp_exposed = reduce + gather
     activation_msg = w.micro_batch * w.seq_len * h * act_bytes
     tp_comm = micro * layers / pp * 4 * _collective_s("all_reduce", tp, activation_msg, 1, tp_level, cal)
     pp_comm = 0.0
@@ -240,7 +254,7 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
             pp_level.latency_us * 1e-6 * cal.latency_scale
         pp_comm = 2 * micro * hop
     communication_total = reduce + gather + tp_comm + pp_comm
-    communication = reduce_exposed + gather_exposed + tp_comm + pp_comm
+    communication = dp_exposed + tp_comm + pp_comm
 
     # optimizer: the states this rank owns
     owned = trainable / (tp * pp) / (dp if s.zero_stage >= 1 else 1)

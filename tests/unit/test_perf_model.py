@@ -106,6 +106,49 @@ def test_overlap_hides_the_reduction_behind_backward_but_not_its_last_bucket():
     assert hidden.communication_total_s == pytest.approx(exposed.communication_total_s)
 
 
+def accumulated(micro_batch: int, accumulation: int, **strategy) -> Workload:
+    s = StrategySpec(**{"zero_stage": 0, "precision": "fp16", "micro_batch_size": micro_batch,
+                        "gradient_accumulation_steps": accumulation, **strategy})
+    return Workload(config=BERT_LARGE, shape=LARGE_SHAPE, strategy=s, world=16, micro_batch=micro_batch,
+                    accumulation=accumulation, seq_len=128)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_reduction_hides_only_behind_the_backward_of_the_micro_batch_it_follows(stage):
+    """ZeRO-0/1 reduce the accumulated gradients once, after the last micro-batch: only its backward
+    hides them, however many micro-batches came before. ZeRO-2 reduces after every micro-batch,
+    each behind its own backward. The same global batch, 2 or 16 micro-batches."""
+    on = cluster(calibration={**EXACT.model_dump(), "overlap": 1.0})
+    buckets = math.ceil(335e6 / 50e6)
+    for micro, accumulation in ((32, 2), (4, 16)):
+        w = accumulated(micro, accumulation, zero_stage=stage, overlap_comm=True)
+        p = predict(w, on)
+        off = predict(accumulated(micro, accumulation, zero_stage=stage, overlap_comm=False), on)
+        backward_micro = 2 / 3 * p.parts_s["compute"] / accumulation
+        gather = 0 if stage == 0 else 15 / 16 * 335e6 * 2 / 25e9  # ZeRO-1/2's weight all-gather: not hidden
+        reduce = off.communication_total_s - gather
+        n = accumulation if stage == 2 else 1
+        r = reduce / n
+        assert p.parts_s["communication"] == pytest.approx(n * max(r - backward_micro, r / buckets) + gather)
+    # at ZeRO-0 the reduction behind 1/16 of the step's backward is exposed far more than behind 1/2
+    if stage == 0:
+        few = predict(accumulated(32, 2, overlap_comm=True), on).parts_s["communication"]
+        many = predict(accumulated(4, 16, overlap_comm=True), on).parts_s["communication"]
+        assert many > few
+
+
+def test_zero3_gathers_and_reduction_share_one_backward_window():
+    """ZeRO-3's backward gathers and its reduction both hide behind the same backward: together
+    they are never hidden behind more than the compute (the forward's gathers behind the forward)."""
+    slow_network = [{"name": "node", "devices": 8, "bandwidth_gbs": 300, "latency_us": 0},
+                    {"name": "spine", "devices": None, "bandwidth_gbs": 5, "latency_us": 0}]
+    on = cluster(calibration={**EXACT.model_dump(), "overlap": 1.0}, levels=slow_network)
+    p = predict(accumulated(32, 2, zero_stage=3, overlap_comm=True), on)
+    assert p.communication_total_s > 2 * p.parts_s["compute"]  # more to hide than there is compute
+    hidden = p.communication_total_s - p.parts_s["communication"]
+    assert hidden == pytest.approx(p.parts_s["compute"])
+
+
 def test_tensor_parallel_all_reduces_activations_inside_the_node():
     p = predict(workload(16, tensor_parallel=8), cluster())
     assert p.levels["tensor_parallel"] == "node" and p.levels["data_parallel"] == "spine"

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from raylib.data.planner import Access, rank_sequence
+from raylib.data.planner import Access, rank_sequence, rank_shards
 from raylib.data.prefetch import Prefetcher
 from raylib.data.tiers import TieredStore, shards_from_index
 from raylib.spec import TierSpec
@@ -202,11 +202,18 @@ class TieredPipeline:
     # ---------------------------------------------------------------------------- producer side
     def _sequence(self, world_size: int, rank: int, rows_needed: int) -> list[Access]:
         """Whole epochs of this rank's order until they hold `rows_needed` rows (plus one
-        shard: the masked batches are cut across shard boundaries)."""
+        shard: the masked batches are cut across shard boundaries). Counted epoch by epoch:
+        shards hold different row counts and every epoch deals the rank other shards, so a
+        later epoch can hold fewer rows than the first."""
         names = [s["path"] for s in self.index.shards]
-        one = rank_sequence(names, self.seed, world_size, rank, epochs=1)
-        per_epoch = sum(self.rows[a.shard] for a in one)
-        epochs = max(1, -(-(rows_needed + max(self.rows.values())) // max(1, per_epoch)))
+        if not any(self.rows.values()):
+            raise ValueError(f"the dataset at {self.index.url} has no rows: its index.json lists "
+                             f"{len(names)} empty shard(s); rebuild it")
+        wanted = rows_needed + max(self.rows.values())
+        epochs = planned = 0
+        while planned < wanted:
+            planned += sum(self.rows[s] for s in rank_shards(names, self.seed, epochs, world_size, rank))
+            epochs += 1
         return rank_sequence(names, self.seed, world_size, rank, epochs=epochs)
 
     def _locate(self, rows_done: int, skipped: set[int]) -> tuple[int, int]:

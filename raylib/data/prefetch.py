@@ -290,7 +290,7 @@ class Prefetcher:
                 if placed is None and prepinned is not None:  # a hit, pinned ahead
                     got = Placement(prepinned, self._hot, None, 0)
                 elif placed is None:  # a hit (or only slower tiers loaded): pin it for the read
-                    got = self.store.acquire(acc.shard)
+                    got = self._acquire(acc)
             except (ChecksumError, ShardMissing) as e:
                 if not self.config.skip_corrupt:
                     self._wait_s += time.monotonic() - entered
@@ -542,6 +542,15 @@ class Prefetcher:
                     self._ahead_bytes += task.bytes
                 self._pump()
                 self._cond.notify_all()
+
+    def _acquire(self, acc: Access) -> Placement:
+        """The reader's pin on the copy a planned hit reads, in the fastest tier holding it. If
+        another process sharing the tiers evicted it, it is loaded into the hot tier again like a
+        planned load: transient errors retried, room made by the plan's next uses (not LRU)."""
+        tier = self.store.locate(acc.shard)
+        if tier != self.store.origin and self.store.pin(acc.shard, tier):
+            return Placement(self.store.path(acc.shard, tier), tier, None, 0)
+        return self._transfer(acc, self._hot, Load(acc.pos, acc.shard, evict=(), ready_after=acc.pos - 1))
 
     def _transfer(self, acc: Access, tier: str, ld: Load) -> Placement:
         cfg = self.config

@@ -13,6 +13,7 @@ import io
 import os
 import re
 import threading
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -292,3 +293,67 @@ def test_a_copy_a_reader_of_an_older_build_pins_counts_against_the_capacity(tmp_
     with open(new.open("s3.bin"), "rb") as f:
         assert hashlib.sha256(f.read()).hexdigest() == index.shards[3]["sha256"]
     assert _bytes_under(tmp_path / "hot") <= 4 * SHARD and old.resident("hot") == {}
+
+
+def _origin_of(tmp_path, names: list[str], hot_shards: int) -> tuple[list[dict], dict[str, ShardInfo]]:
+    """Shards of SHARD bytes at a local origin, and a hot tier that holds `hot_shards` of them."""
+    cold = tmp_path / "cold"
+    cold.mkdir(exist_ok=True)
+    shards = {}
+    for name in names:
+        b = os.urandom(SHARD)
+        (cold / name).write_bytes(b)
+        shards[name] = ShardInfo(name, SHARD, hashlib.sha256(b).hexdigest())
+    return [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": hot_shards * SHARD},
+            {"name": "cold", "url": str(cold)}], shards
+
+
+def test_a_planned_hit_a_peer_evicted_is_loaded_again_with_retries(tmp_path, monkeypatch):
+    """The hot copy a planned hit reads is evicted before the read by another process sharing
+    the tier (a tp peer, a rank of the node): it is loaded again like a planned load, so a
+    transient origin error (a reset connection) is retried rather than ending the run."""
+    tier_list, shards = _origin_of(tmp_path, ["s0.bin"], hot_shards=1)
+    store = TieredStore(tier_list, shards)
+    store.promote("s0.bin", "hot")
+    copy, failed = tiers.hashed_copy, []
+
+    def resets_once(*args, **kwargs):
+        if not failed:
+            failed.append(1)
+            raise ConnectionResetError("connection reset by peer")
+        return copy(*args, **kwargs)
+
+    events: list[str] = []
+    with Prefetcher(store, ["s0.bin"], {"retries": 1, "backoff_s": 0.01},
+                    on_event=lambda kind, info: events.append(kind)) as pf:
+        assert pf.plans["hot"].hits == 1
+        assert TieredStore(tier_list, shards).evict("s0.bin", "hot")  # the peer
+        monkeypatch.setattr(tiers, "hashed_copy", resets_once)
+        _, path = pf.next()
+        with open(path, "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == shards["s0.bin"].sha256
+        m = pf.metrics()
+    assert failed and events == ["retry"] and m["retries"] == 1 and m["unplanned_misses"] == 1
+
+
+def test_a_planned_hit_a_peer_evicted_makes_room_by_the_plans_next_uses(tmp_path):
+    """Loading it again evicts what the plan reads last (here: a shard it never reads), not the
+    least recently used copy, which the plan still reads."""
+    tier_list, shards = _origin_of(tmp_path, ["s0.bin", "s1.bin", "s2.bin", "s9.bin"], hot_shards=3)
+    store = TieredStore(tier_list, shards)
+    for name in ("s0.bin", "s1.bin", "s2.bin"):
+        store.promote(name, "hot")
+    with Prefetcher(store, ["s0.bin", "s1.bin", "s2.bin"], {"lookahead": 1}) as pf:
+        assert pf.plans["hot"].hits == 3
+        deadline = time.monotonic() + WAIT
+        while store.pinned("hot") != {"s1.bin": 1}:  # the next read's copy, pinned ahead
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        peer = TieredStore(tier_list, shards)
+        assert peer.evict("s0.bin", "hot")
+        peer.promote("s9.bin", "hot")  # the tier is full: s1 pinned, s2 older than s9
+        served = [acc.shard for acc, _ in pf]
+        m = pf.metrics()
+    assert served == ["s0.bin", "s1.bin", "s2.bin"]
+    assert m["unplanned_misses"] == 1, "s2 was evicted although the plan still read it"
+    assert set(store.resident("hot")) == {"s0.bin", "s1.bin", "s2.bin"}

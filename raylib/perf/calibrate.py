@@ -136,13 +136,16 @@ def _calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...
     # overhead; and the contention of a CPU node's shared cores (a 1-D search: the fit is linear
     # for a given contention)
     unlimited = cluster.model_copy(update={"memory_bandwidth_gbs": 1e12, "calibration": unit})
+    peaks = base.peak_flops if base.peak_flops is not None else base.row.peak_flops
+    instant = base.model_copy(update={"peak_flops": {p: v * 1e12 for p, v in peaks.items()}})
     obs = []
     for r in runs:
         w = r.workload
         at_memory = predict(w, base)
         flops_s = predict(w, unlimited).parts_s["compute"]  # every matmul at the peak
         scores_s = score_flops_s(w, unlimited)
-        score_bytes_s = at_memory.parts_s["compute"] - (flops_s - scores_s)  # at full bandwidth
+        # the score matmuls' bytes at full bandwidth: with instant FLOPs, all the compute term has left
+        score_bytes_s = predict(w, instant).parts_s["compute"]
         obs.append((w.strategy.precision, flops_s, scores_s, score_bytes_s,
                       at_memory.parts_s["elementwise"],
                       w.shape.layers / w.strategy.pipeline_parallel * w.accumulation,

@@ -10,23 +10,28 @@ A job uses its reservation through `Reservation.handoff()`: the group is release
 the job's own workers are created with the same per-rank node selectors (Ray Train creates its
 own placement group), while the scheduler keeps the accelerators accounted to the job until
 `release()`. A preempted job is told through `preempt_requested()`; it checkpoints, stops, and
-is already back in the queue.
+is already back in the queue. `release()` of a job still queued withdraws it: `reserve()` does so
+when it is interrupted or fails while waiting, so no gang is granted to a driver that is gone.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from raylib.placement.planner import Parallelism, PlacementError, PlacementPlan
-from raylib.placement.queue import GangQueue, Job, Policy, Preempt, Start, Timeout
+from raylib.placement.queue import Decision, GangQueue, Job, Policy, Preempt, Start, State, Timeout
+
+log = logging.getLogger(__name__)
 
 ACTOR_NAME = "raylib-gang-scheduler"
 NAMESPACE = "raylib"
 TICK_S = 0.2  # the queue is looked at this often, and at once after a submit or a release
 READY_POLL_S = 0.01  # how often a pending placement group is checked
+ERROR_AFTER_S = 60.0  # a scheduler loop failing this long fails the jobs waiting in reserve()
 
 
 class GangSchedulerActor:
@@ -46,6 +51,11 @@ class GangSchedulerActor:
         self.status: dict[str, dict[str, Any]] = {}
         self.preempt_flags: set[str] = set()
         self.drained: dict[str, str] = {}  # node -> reason (health.isolate): never planned on again
+        # decisions not carried out yet, with the status reason of a Preempt (None: "preempted: ..."):
+        # what a failed step leaves is carried out by the next (the queue has made them already)
+        self.todo: list[tuple[Decision, str | None]] = []
+        self.error: str | None = None  # the last step's failure, while steps fail
+        self.failing_since: float | None = None
         self.lock = threading.RLock()
         self.t0 = time.monotonic()
         self._wake = threading.Event()
@@ -70,23 +80,28 @@ class GangSchedulerActor:
         self._wake.set()
 
     def poll(self, job_id: str) -> dict[str, Any]:
-        """state: queued | reserving | ready | timed_out | released; plus reason and plan."""
+        """state: queued | reserving | ready | timed_out | released; plus reason and plan, and error
+        while the scheduler's loop has failed for ERROR_AFTER_S (a failure it recovers from sooner
+        only delays the job)."""
         with self.lock:
             st = dict(self.status[job_id])
             job = self.queue.jobs.get(job_id)
             if st["state"] == "queued" and job is not None:
                 st["reason"] = st["reason"] or self.queue.why_waiting(job)
+            if self.failing_since is not None and self._now() - self.failing_since >= ERROR_AFTER_S:
+                st["error"] = f"its loop has failed for {self._now() - self.failing_since:.0f}s: {self.error}"
             return st
 
     def release(self, job_id: str) -> None:
-        """The job is done with its accelerators (finished, failed, or stopped for preemption
-        and already re-queued)."""
+        """The job is done with its gang (finished, failed, or its driver gave up waiting): a
+        granted one frees its accelerators, a queued one (also one queued again after a
+        preemption) leaves the queue, else nobody would use or release what it is granted later."""
         with self.lock:
             self._remove_group(job_id)
             self.preempt_flags.discard(job_id)
             job = self.queue.jobs.get(job_id)
-            if job is not None and job.state.value == "running":
-                self.queue.finish(job_id)
+            if job is not None and job.state in (State.RUNNING, State.QUEUED):
+                (self.queue.finish if job.state is State.RUNNING else self.queue.cancel)(job_id)
                 self.status[job_id]["state"] = "released"
         self._wake.set()  # its accelerators may start the next job
 
@@ -111,15 +126,11 @@ class GangSchedulerActor:
             if node is None or node.id in self.drained:
                 return []
             self.drained[node.id] = reason
-            moved = []
-            for d in self.queue.node_down(node.id, self._now()):
-                self._remove_group(d.job.id)
-                self.status[d.job.id].update(state="queued", reason=f"re-planning: node drained ({reason})",
-                                             preemptions=self.status[d.job.id]["preemptions"] + 1)
-                self.preempt_flags.add(d.job.id)
-                moved.append(d.job.id)
+            moved = self.queue.node_down(node.id, self._now())
+            self.todo += [(d, f"re-planning: node drained ({reason})") for d in moved]
+            self._carry_out()
         self._wake.set()
-        return moved
+        return [d.job.id for d in moved]
 
     def drained_nodes(self) -> dict[str, str]:
         """Node -> why it was drained."""
@@ -155,47 +166,74 @@ class GangSchedulerActor:
     def _loop(self) -> None:
         while True:
             with self.lock:
-                try:
-                    self._step()
-                except Exception as e:  # keep scheduling; surface the error on every job
-                    for st in self.status.values():
-                        st["error"] = repr(e)
+                self._try_step()
                 pending = any(st["state"] == "reserving" for st in self.status.values())
             self._wake.wait(READY_POLL_S if pending else TICK_S)
             self._wake.clear()
 
-    def _step(self) -> None:
-        from ray.util.placement_group import placement_group
+    def _try_step(self) -> None:
+        """One step; a failure (e.g. ray.nodes() timing out) is retried by the next step, and only
+        reported to the waiting jobs (poll's error) once it has lasted ERROR_AFTER_S."""
+        try:
+            self._step()
+        except Exception as e:
+            if self.failing_since is None:
+                self.failing_since = self._now()
+            if repr(e) != self.error:  # once per distinct failure: steps run every 0.2 s
+                log.exception("gang scheduler step failed (retried every step)")
+            self.error = repr(e)
+        else:
+            if self.error is not None:
+                log.info("gang scheduler steps succeed again after: %s", self.error)
+            self.error = self.failing_since = None
 
+    def _step(self) -> None:
         self._sync_nodes()
-        for d in self.queue.tick(self._now()):
-            st = self.status[d.job.id]
-            if isinstance(d, Start):
-                self.groups[d.job.id] = placement_group(
-                    bundles=d.plan.bundles, strategy="PACK",
-                    bundle_label_selector=d.plan.bundle_label_selector,
-                    name=f"raylib-gang-{d.job.id}",
-                )
-                st.update(state="reserving", reason=None, plan=d.plan.to_dict(), since=self._now())
-            elif isinstance(d, Preempt):
-                self._remove_group(d.job.id)
-                st.update(state="queued", reason=f"preempted: {d.reason}",
-                          preemptions=st["preemptions"] + 1)
-            elif isinstance(d, Timeout):
-                st.update(state="timed_out", reason=d.reason)
+        self.todo += [(d, None) for d in self.queue.tick(self._now())]
+        self._carry_out()
         for job_id, pg in list(self.groups.items()):
             st, job = self.status[job_id], self.queue.jobs[job_id]
             if st["state"] != "reserving":
                 continue
             if pg.wait(timeout_seconds=0):
-                st["state"] = "ready"
-            elif job.timeout is not None and self._now() - st["since"] > job.timeout:
+                st.update(state="ready", granted=True)
+            # the timeout is for the first grant only: a re-grant (a resize, or back after a
+            # preemption or re-plan) waits for the job's own old workers to stop
+            elif not st.get("granted") and job.timeout is not None \
+                    and self._now() - st["since"] > job.timeout:
                 # The plan fits the accelerators, CPUs and memory the queue counts, but Ray cannot
                 # place a bundle (Ray work outside the gang scheduler holds what it needs).
                 self.release(job_id)
                 st.update(state="timed_out", reason=(
                     f"its placement group stayed pending for {job.timeout:g}s: a node chosen "
                     f"for it lacks resources for bundle {_first_bundle(st)} (check `ray status`)"))
+
+    def _carry_out(self) -> None:
+        """The queue's decisions, in order, each removed once done: one a failure interrupts stays
+        for the next step; a Start that a later event overtook (its job released or re-planned
+        since) makes no group."""
+        from ray.util.placement_group import placement_group
+
+        while self.todo:
+            d, reason = self.todo[0]
+            st, job = self.status[d.job.id], d.job
+            if isinstance(d, Start):
+                if job.state is State.RUNNING and job.plan is d.plan:
+                    self.groups[job.id] = placement_group(
+                        bundles=d.plan.bundles, strategy="PACK",
+                        bundle_label_selector=d.plan.bundle_label_selector,
+                        name=f"raylib-gang-{job.id}",
+                    )
+                    st.update(state="reserving", reason=None, plan=d.plan.to_dict(), since=self._now())
+            elif isinstance(d, Preempt):
+                self._remove_group(job.id)
+                if job.state in (State.QUEUED, State.RUNNING):  # not released since (RUNNING: a resize)
+                    st.update(state="queued", reason=reason or f"preempted: {d.reason}",
+                              preemptions=st["preemptions"] + 1)
+                    self.preempt_flags.add(job.id)  # node_down calls no on_preempt hook
+            elif isinstance(d, Timeout):
+                st.update(state="timed_out", reason=d.reason)
+            del self.todo[0]
 
     def _sync_nodes(self) -> None:
         import ray
@@ -204,10 +242,8 @@ class GangSchedulerActor:
         for node in self.topology.nodes:
             ray_id = node.selector.get("ray.io/node-id", node.id)
             if ray_id not in alive and node.id not in self.queue.down:
-                for d in self.queue.node_down(node.id, self._now()):
-                    self._remove_group(d.job.id)
-                    self.status[d.job.id].update(state="queued", reason=f"re-planning: {d.reason}")
-                    self.preempt_flags.add(d.job.id)
+                moved = self.queue.node_down(node.id, self._now())
+                self.todo += [(d, f"re-planning: {d.reason}") for d in moved]
 
     def _remove_group(self, job_id: str) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -281,22 +317,36 @@ def reserve(job_id: str, parallelism: Parallelism, *, priority: int = 0, tenant:
     worker), or when `timeout_s` passes first — the message says which constraint could not be met.
     An elastic job (`sizes`) gets the largest of its sizes that fits: `Reservation.plan.parallelism`
     says which. A resubmission of a job id that is queued after a preemption waits for the same
-    queue entry.
+    queue entry. Interrupted (Ctrl-C) or failing while it waits, it withdraws the job (`release`).
+    `timeout_s` counts the time the job waits in the queue and, for its first grant only, for its
+    placement group.
     """
     import ray
 
     actor = actor or scheduler()
-    if job_id not in ray.get(actor.jobs.remote()):
-        ray.get(actor.submit.remote(job_id, parallelism.model_dump(), priority, tenant, timeout_s, None,
-                                    sizes, share, cpus, workload, memory))
-    else:  # queued again after a preemption, and its workers have stopped
-        ray.get(actor.acknowledge.remote(job_id))
-    while True:
-        st = ray.get(actor.poll.remote(job_id))
-        if st["state"] == "ready":
-            return Reservation(job_id, PlacementPlan.model_validate(st["plan"]), actor)
-        if st["state"] == "timed_out":
-            raise PlacementError(f"job {job_id!r} timed out waiting for its gang: {st['reason']}")
-        if st.get("error"):  # the scheduler's loop failed: waiting longer would never end
-            raise RuntimeError(f"the gang scheduler failed while job {job_id!r} waited: {st['error']}")
-        time.sleep(poll_s)
+    known = ray.get(actor.jobs.remote()).get(job_id)
+    if known is not None and known["state"] == "released":
+        raise ValueError(f"job id {job_id!r} belongs to a job that was released already: give each "
+                         "reserve() a new job id")
+    try:
+        if known is None:
+            ray.get(actor.submit.remote(job_id, parallelism.model_dump(), priority, tenant, timeout_s, None,
+                                        sizes, share, cpus, workload, memory))
+        else:  # queued again after a preemption, and its workers have stopped
+            ray.get(actor.acknowledge.remote(job_id))
+        while True:
+            st = ray.get(actor.poll.remote(job_id))
+            if st["state"] == "ready":
+                return Reservation(job_id, PlacementPlan.model_validate(st["plan"]), actor)
+            if st["state"] == "timed_out":
+                raise PlacementError(f"job {job_id!r} timed out waiting for its gang: {st['reason']}")
+            if st.get("error"):  # the scheduler's loop keeps failing: waiting longer may never end
+                raise RuntimeError(f"the gang scheduler failed while job {job_id!r} waited: {st['error']}")
+            time.sleep(poll_s)
+    except BaseException:
+        # nobody would use or release a gang granted to this job later: withdraw it
+        try:
+            ray.get(actor.release.remote(job_id))
+        except Exception as e:  # the scheduler may be what failed; the first error is the one to see
+            log.warning("could not release gang job %r: %r", job_id, e)
+        raise

@@ -1,7 +1,7 @@
 """The gang scheduler's core: an explicit state machine over jobs, with its policies passed in.
 
 No Ray here. A driver (the Ray actor, or the simulator) feeds events in — `submit`, `finish`,
-`node_down`, `node_up` — and calls `tick(now)`, which returns the decisions to carry out, in
+`node_down`, `node_up`, `cancel` — and calls `tick(now)`, which returns the decisions to carry out, in
 order: `Preempt` (release the job's placement group; it is back in the queue), `Start` (reserve
 `plan` as one placement group, all or nothing), `Timeout` (give up on the job; `reason` names the
 constraint that could not be met).
@@ -14,9 +14,10 @@ accelerators reserved for the head; without the estimates to compute that start 
 (conservative); per-tenant quotas of running accelerators.
 
 Elastic jobs (`Job.sizes`: the world sizes a job may run at) start at the largest size that fits,
-once their smallest does; a preempted one comes back at whatever fits (it shrinks); when the queue
-is empty and a larger size of a running elastic job fits, it is resized — a `Preempt` whose reason
-says so: the job checkpoints, stops, and starts again at once at the larger size.
+once their smallest does; a preempted one comes back at whatever fits (it shrinks); when no job
+waits for capacity (jobs over their tenant's quota wait for that tenant, not for capacity) and a
+larger size of a running elastic job fits, it is resized — a `Preempt` whose reason says so: the
+job checkpoints, stops, and starts again at once at the larger size.
 
 Shared accelerators (`Job.share` < 1): such a job's workers are placed on devices by
 `sharing.Devices` under `Policy.sharing` (fragmentation-aware fgd-lp against the recent request mix
@@ -102,6 +103,7 @@ class State(str, enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
     TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
 
 
 @dataclass(eq=False)
@@ -281,6 +283,16 @@ class GangQueue:
         self._release(job)
         job.state = State.FINISHED
 
+    def cancel(self, job_id: str) -> None:
+        """A queued job is withdrawn (its driver stopped waiting): it leaves the queue. It holds
+        nothing while queued (no accelerators, no tenant use), so only its queue entry goes."""
+        job = self.jobs.get(job_id)
+        if job is None or job.state is not State.QUEUED:
+            raise KeyError(f"job {job_id!r} is not queued ({'unknown' if job is None else job.state.value}); "
+                           "a running job ends with finish()")
+        self._dequeue(job)
+        job.state = State.CANCELLED
+
     def node_down(self, node_id: str, now: float) -> list[Preempt]:
         """A node left: its jobs lose their reservation and go back to the queue (their
         on_preempt hook is not called: a job that lost a node restarts from its last
@@ -349,7 +361,7 @@ class GangQueue:
                 self._try_start(job, now, self.free, self._spare(), out)
             else:  # must leave the head's reserved accelerators, CPUs and memory alone
                 self._try_start(job, now, bf_free, bf_spare, out, bf_hide)
-        if not self._queue:
+        if head is None:  # nobody waits for capacity: jobs left queued wait for their tenant's quota
             self._grow(now, out, None, None)
         elif reserved is not None and self.policy.backfill:  # grow into what the head does not need
             self._grow(now, out, reserved, reserved_spare, hide + self._freed_by(shadow, guard), shadow)
@@ -373,7 +385,19 @@ class GangQueue:
         problem = self._unfit(job, job.smallest, empty=False)
         if problem:
             return f"not enough free capacity: {problem}"
-        return "waiting behind higher-priority jobs (starting it would delay the head)"
+        # it fits what is free: only the queue's head (the first job within its quota) keeps it back
+        head = next(j for _, j in self._queue if j is job or not self._over_quota(j))
+        if head is job:
+            return "fits what is free now: it starts at the scheduler's next step"
+        ahead = f"the queue's head, job {head.id!r}" + (
+            f" (priority {head.priority} > {job.priority})"
+            if self.policy.priorities and head.priority > job.priority else "")
+        if not self.policy.backfill:
+            return f"waiting behind {ahead}: backfill is off"
+        if self._reservation(head, 0.0)[0] is None:
+            return (f"waiting behind {ahead}, which has no runtime estimate to backfill around (the "
+                    "running jobs it waits for have no duration estimate)")
+        return f"waiting behind {ahead}: starting it would delay the head's reserved start"
 
     # -- views ----------------------------------------------------------------------------------
 
@@ -771,7 +795,7 @@ class GangQueue:
     def _grow(self, now: float, out: list[Decision], reserved: np.ndarray | None,
               reserved_spare: np.ndarray | None, hide=(), shadow: float | None = None) -> None:
         """Resize running elastic jobs (highest priority first) to the largest size that fits on
-        the free capacity plus their own: all of it when nobody waits; while a blocked head waits
+        the free capacity plus their own: all of it when no job waits for capacity; while a blocked head waits
         only what its reservation leaves (growing is backfilling workers: it cannot delay the head).
         A job the head's reservation expects to end by its `shadow` start is not grown past it: the
         restart would hold what it releases then (its own accelerators, CPUs, shared devices)."""

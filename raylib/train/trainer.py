@@ -131,15 +131,16 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     with ProgressBar(spec.run.steps, enabled=progress) as bar:
         while True:  # once, or again after each preemption (resuming from its checkpoint)
             reservation = _reserve(spec, resource, job_id) if spec.placement.gang else None
-            if reservation and reservation.preempt_requested():
-                continue  # preempted before its workers started: it is already queued again
-            if spec.elastic:  # this part's size, granted by the gang scheduler; the global batch kept
-                part_spec = spec.resized(reservation.plan.parallelism.world)
-                ds_config = resolve_ds_config(part_spec, on_gpu=on_gpu)
-                log.info("elastic run %r: %d worker(s) (sizes %s), gradient accumulation %d", spec.name,
-                         part_spec.world_size, spec.elastic_sizes(), ds_config["gradient_accumulation_steps"])
-            gpus = worker_gpus(spec, on_gpu)
-            try:
+            try:  # from here on a failure (or Ctrl-C) releases the gang
+                if reservation and reservation.preempt_requested():
+                    continue  # preempted before its workers started: it is already queued again
+                if spec.elastic:  # this part's size, granted by the gang scheduler; the global batch kept
+                    part_spec = spec.resized(reservation.plan.parallelism.world)
+                    ds_config = resolve_ds_config(part_spec, on_gpu=on_gpu)
+                    log.info("elastic run %r: %d worker(s) (sizes %s), gradient accumulation %d",
+                             spec.name, part_spec.world_size, spec.elastic_sizes(),
+                             ds_config["gradient_accumulation_steps"])
+                gpus = worker_gpus(spec, on_gpu)
                 trainer = _trainer_class(not _keeps_cleaner(), runtime.embedded())(
                     worker_loop,
                     train_loop_config={**loop_config(part_spec, ds_config),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from raylib.placement.topology import Topology
+from raylib.placement.topology import Topology, _cap, _split_free
 
 
 class PlacementError(ValueError):
@@ -313,7 +314,9 @@ def rank_bundle(resource: str, cpus: float, memory_gib: float = 0.0,
 
 
 def free_array(topology: Topology, free: FreeMap | None = None) -> np.ndarray:
-    """Free accelerators per global island, from topology.nodes[*].free or a {node: ...} map."""
+    """Free accelerators per global island, from topology.nodes[*].free or a {node: ...} map
+    (counts within 0..gpus, per island or in total, capped at each node's `usable`; nodes it omits
+    have none free). An array is taken as is."""
     idx = topology.index
     if free is None:
         return np.array([f for n in topology.nodes for f in n.free], dtype=np.int64)
@@ -326,17 +329,19 @@ def free_array(topology: Topology, free: FreeMap | None = None) -> np.ndarray:
         pos = idx.node_pos.get(node_id)
         if pos is None:
             raise PlacementError(f"free: node {node_id!r} is not in topology {topology.name!r}")
-        sizes = topology.nodes[pos].islands
-        if isinstance(value, int):
-            per, left = [], value
-            for s in sizes:
-                per.append(min(s, max(left, 0)))
-                left -= per[-1]
-        else:
-            per = list(value)
-        if len(per) != len(sizes) or any(not 0 <= f <= s for f, s in zip(per, sizes, strict=True)):
-            raise PlacementError(f"free[{node_id!r}]={value!r} does not fit islands {sizes}")
-        out[idx.island_base[pos]: idx.island_base[pos] + len(per)] = per
+        node = topology.nodes[pos]
+        if isinstance(value, numbers.Integral):
+            value = int(value)  # numpy counts too
+        elif isinstance(value, str) or not isinstance(value, Sequence | np.ndarray) or \
+                not all(isinstance(f, numbers.Integral) for f in value):
+            raise PlacementError(f"free[{node_id!r}]={value!r}: give a count or one count per "
+                                 f"island of {node.islands}")
+        try:  # checked as Topology.with_free checks it, rather than clamped
+            per = _split_free(node_id, value, node.islands)
+        except ValueError as e:
+            raise PlacementError(f"free: {e}") from None
+        # Never more than the node can host: accelerators past `usable` lack the CPUs for a rank.
+        out[idx.island_base[pos]: idx.island_base[pos] + len(per)] = _cap(per, node.capacity)
     return out
 
 

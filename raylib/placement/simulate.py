@@ -15,8 +15,8 @@ scaling: an upper bound on what resizing gains). Every restart after a preemptio
 `resize_overhead_s` (checkpoint, new workers, restore).
 
 Trace CSV (Philly, as derived by the Pollux authors): timestamp,duration,num_gpus,gpu_time,
-cluster. A job of n accelerators becomes tp = gcd(n, gpus per node), dp = n / tp; the cluster
-column is the tenant.
+cluster. A job of n accelerators becomes tp = gcd(n, largest NVLink island), dp = n / tp; the
+cluster column is the tenant.
 """
 
 from __future__ import annotations
@@ -66,6 +66,13 @@ class TraceJob:
     min_gpus: int | None = None
     """Elastic: runs at any size from this to `gpus` (None: fixed size)."""
 
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise ValueError(f"trace job {self.id!r}: gpus={self.gpus} must be at least 1")
+        if self.min_gpus is not None and not 1 <= self.min_gpus <= self.gpus:
+            raise ValueError(f"trace job {self.id!r}: min_gpus={self.min_gpus} must be within "
+                             f"1..gpus={self.gpus} (None: a fixed-size job)")
+
 
 class SimResult(BaseModel):
     policy: str
@@ -78,6 +85,8 @@ class SimResult(BaseModel):
     """Elastic jobs grown while running (each a checkpoint and a restart)."""
     avg_jct_s: float
     avg_queue_delay_s: float
+    """Mean time finished jobs spent queued: submit to first start, plus any wait after a
+    preemption (time holding accelerators, at a smaller elastic size or restarting, is not)."""
     p95_queue_delay_s: float
     utilisation: float
     """Busy accelerator-seconds / accelerator-seconds, between the first and the last submit
@@ -98,17 +107,30 @@ def read_trace(
     start: datetime | None = None,
     end: datetime | None = None,
 ) -> list[TraceJob]:
-    """Jobs of a trace CSV in submit order, those submitted in [start, end), the first `limit`."""
+    """Jobs of a trace CSV in submit order, those submitted in [start, end), the first `limit`.
+    start and end carry a UTC offset if and only if the trace's timestamps do."""
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit={limit} must be at least 0 (None: every job)")
     rows = []
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
             if not r.get("timestamp"):
                 continue
             ts = datetime.fromisoformat(r["timestamp"])
+            for name, bound in (("start", start), ("end", end)):
+                if bound is not None and _aware(bound) != _aware(ts):
+                    # naive and offset-aware datetimes do not compare (TypeError)
+                    raise ValueError(
+                        f"{name}={bound.isoformat()} {'has' if _aware(bound) else 'lacks'} a UTC "
+                        f"offset but the timestamps of {path} do not ({r['timestamp']!r}); give "
+                        f"{name} {'without' if _aware(bound) else 'with'} one")
             if (start and ts < start) or (end and ts >= end):
                 continue
             rows.append((ts, float(r["duration"]), int(r["num_gpus"]),
                          r.get("cluster") or "default"))
+    if len({_aware(r[0]) for r in rows}) > 1:
+        raise ValueError(f"{path}: some timestamps carry a UTC offset and some do not; they cannot "
+                         "be ordered")
     rows.sort(key=lambda x: x[0])
     rows = rows[:limit] if limit is not None else rows
     if not rows:
@@ -116,6 +138,10 @@ def read_trace(
     t0 = rows[0][0]
     return [TraceJob(id=f"j{i}", submit=(ts - t0).total_seconds(), duration=dur, gpus=n, tenant=c)
             for i, (ts, dur, n, c) in enumerate(rows)]
+
+
+def _aware(dt: datetime) -> bool:
+    return dt.utcoffset() is not None
 
 
 def synthetic_trace(
@@ -176,6 +202,8 @@ def simulate(
     started_at: dict[str, float] = {}
     stretch: dict[str, float] = {}
     done: dict[str, float] = {}
+    queued_since: dict[str, float] = {}
+    waited: dict[str, float] = {}  # time queued (not holding accelerators), per job
     busy = 0.0
     rejected = preemptions = resizes = 0
     costs: list[float] = []
@@ -200,6 +228,7 @@ def simulate(
                     rejected += 1
                     continue
                 remaining[jid] = tj.duration
+                queued_since[jid] = now
             elif ver == version.get(jid):
                 queue.finish(jid)
                 busy += size[jid] * _overlap(started_at.pop(jid), now, window)
@@ -221,6 +250,7 @@ def simulate(
                             costs.append(d.plan.cost.total_s)
                             splits += d.plan.cost.split_tp_groups > 0
                     started_at[jid] = now
+                    waited[jid] = waited.get(jid, 0.0) + now - queued_since.pop(jid)
                     size[jid] = d.plan.parallelism.world
                     speed[jid] = size[jid] / by_id[jid].gpus
                     overhead = resize_overhead_s if jid in version else 0.0  # a restart
@@ -235,6 +265,7 @@ def simulate(
                     busy += size[jid] * _overlap(started_at.pop(jid), now, window)
                     remaining[jid] -= ran * speed[jid] / stretch[jid]
                     version[jid] += 1
+                    queued_since[jid] = now
                     if d.reason.startswith("resize"):
                         resizes += 1
                     else:
@@ -245,7 +276,9 @@ def simulate(
             decisions = queue.tick(now)
     jobs = [by_id[j] for j in done]
     jct = np.array([done[j.id] - j.submit for j in jobs])
-    wait = jct - np.array([by_id[j.id].duration * stretch[j.id] for j in jobs])
+    # Not jct minus the traced duration: an elastic job runs longer at a smaller size, and a
+    # restart pays resize_overhead_s, while holding its accelerators.
+    wait = np.array([waited[j.id] for j in jobs])
     span = max(done.values(), default=window[0]) - window[0]
     length = window[1] - window[0]
     return SimResult(
@@ -268,13 +301,17 @@ def compare(trace: list[TraceJob], topology: Topology, policies: Iterable[str] =
 
 
 def _best_costs(topology: Topology, traffic: Traffic):
-    """Link-seconds of each job shape's best placement on the empty cluster (cached)."""
-    empty = {n.id: list(n.islands) for n in topology.nodes}
+    """Link-seconds of each job shape's best placement on the empty cluster (cached): within what
+    each node can host, as the queue places (its `usable` accelerators; its CPUs, one per rank)."""
+    empty = {n.id: n.capacity for n in topology.nodes}
+    ranks = np.array([math.inf if n.cpus is None else math.floor(n.cpus + 1e-9)
+                      for n in topology.nodes])
 
     @cache
     def by_shape(dp: int, pp: int, tp: int) -> float:
         par = Parallelism(dp=dp, pp=pp, tp=tp)
-        return plan(topology, par, free=empty, traffic=traffic, baseline=False).cost.total_s
+        return plan(topology, par, free=empty, traffic=traffic, baseline=False,
+                    node_ranks=ranks).cost.total_s
 
     return lambda par: by_shape(par.dp, par.pp, par.tp)
 

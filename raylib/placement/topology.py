@@ -338,12 +338,21 @@ class Topology(_Model):
     def shared_level(self, a: str | tuple[str, int], b: str | tuple[str, int]) -> int:
         """Index of the innermost level joining a and b, each a node id or (node id, local
         accelerator index); a node id counts as the whole node (so at least the node level)."""
-        def island(x: str | tuple[str, int]) -> int:
-            return self.global_island(x, 0) if isinstance(x, str) else \
-                self.global_island(x[0], self.island_of(*x))
-
-        lvl = int(self.levels_between(np.array([island(a)]), np.array([island(b)]))[0])
-        return lvl if not (isinstance(a, str) or isinstance(b, str)) else max(lvl, 1)
+        if isinstance(a, str) or isinstance(b, str):
+            # Node against node, by their paths: a node may have no islands (0 accelerators).
+            for x in (a, b):
+                if not isinstance(x, str):
+                    self.island_of(*x)  # raises for an accelerator the node lacks
+            na, nb = (self.node(x if isinstance(x, str) else x[0]) for x in (a, b))
+            if na.id == nb.id:
+                return 1
+            outer = self.level_names[2:]
+            for k in range(len(outer)):
+                if _group(na, outer[k:]) == _group(nb, outer[k:]):
+                    return 2 + k
+            return len(self.levels) - 1
+        ia, ib = (self.global_island(x[0], self.island_of(*x)) for x in (a, b))
+        return int(self.levels_between(np.array([ia]), np.array([ib]))[0])
 
     def shared_level_name(self, a: str | tuple[str, int], b: str | tuple[str, int]) -> str:
         return self.levels[self.shared_level(a, b)].name
@@ -386,9 +395,7 @@ def _build_index(topo: Topology) -> _Index:
         base.append(len(island_node))
         row = []
         for k in range(len(outer)):
-            # A group is named relative to its parent: leaf "l0" under two spines is two groups.
-            key = "/".join(node.path.get(x, DEFAULT_GROUP) for x in reversed(outer[k:]))
-            row.append(codes[k].setdefault(key, len(codes[k])))
+            row.append(codes[k].setdefault(_group(node, outer[k:]), len(codes[k])))
         for size in node.islands:
             island_node.append(pos)
             paths.append(row)
@@ -400,6 +407,12 @@ def _build_index(topo: Topology) -> _Index:
         island_path=np.array(paths, dtype=np.int64).reshape(len(island_node), len(outer)),
         island_size=np.array(sizes, dtype=np.int64),
     )
+
+
+def _group(node: Node, outer: Sequence[str]) -> str:
+    """The node's group at level outer[0], named with its parents' (leaf "l0" under two spines is
+    two groups)."""
+    return "/".join(node.path.get(x, DEFAULT_GROUP) for x in reversed(outer))
 
 
 def nvml_islands() -> list[list[int]] | None:

@@ -239,10 +239,30 @@ def test_input_errors():
         Parallelism(tp=4, ranks_per_node=6)
     with pytest.raises(PlacementError, match="node 'zz' is not in topology"):
         plan(fat_tree(), Parallelism(), free={"zz": 1})
-    with pytest.raises(PlacementError, match=r"free\['n00'\]=\[9\] does not fit islands \[8\]"):
+    with pytest.raises(PlacementError, match=r"node 'n00': free \[9\] must give 0..size free .* "
+                                             r"islands \[8\]"):
         plan(fat_tree(), Parallelism(), free={"n00": [9]})
     with pytest.raises(PlacementError, match="needs 200 free accelerators; 128 are free"):
         plan(fat_tree(), Parallelism(dp=200), strategy="pack")
+
+
+
+def test_free_map_is_checked_and_capped_at_what_a_node_can_host():
+    topo = Topology(nodes=[Node(id="n0", gpus=8, islands=[4, 4], usable=4), Node(id="n1", gpus=8)])
+    # n0's CPUs hold 4 ranks: a free map cannot hand the planner its other 4 accelerators
+    assert free_array(topo, {"n0": 8, "n1": 2}).tolist() == [4, 0, 2]
+    assert free_array(topo, {"n0": [2, 4]}).tolist() == [2, 0, 0]
+    with pytest.raises(PlacementError, match="holds 4"):
+        plan(topo, Parallelism(dp=8), free={"n0": 8})
+    assert plan(topo, Parallelism(dp=4), free={"n0": 8}).usage() == {"n0": [4]}
+    # out of range: an error naming the node and the range, not a silent clamp
+    for bad, why in ((100, r"node 'n0': free=100 must be within 0..8"),
+                     (-3, r"node 'n0': free=-3 must be within 0..8"),
+                     ([5, 0], r"node 'n0': free \[5, 0\] must give 0..size"),
+                     ("4", r"free\['n0'\]='4': give a count")):
+        with pytest.raises(PlacementError, match=why):
+            plan(topo, Parallelism(), free={"n0": bad})
+    assert free_array(topo, {"n1": np.int64(3)}).tolist() == [0, 0, 3]
 
 
 # -- the output -------------------------------------------------------------------------------

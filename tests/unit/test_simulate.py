@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,7 @@ from raylib.placement.simulate import (
     synthetic_trace,
     to_parallelism,
 )
-from raylib.placement.topology import Topology
+from raylib.placement.topology import Level, Node, Topology
 
 pytestmark = pytest.mark.unit
 
@@ -50,6 +50,30 @@ def test_read_trace_sorts_filters_and_maps_columns(tmp_path):
     assert len(read_trace(csv, limit=2)) == 2
     window = read_trace(csv, start=datetime(2017, 10, 9, 7, 0, 5), end=datetime(2017, 10, 10))
     assert [j.gpus for j in window] == [1]
+
+    with pytest.raises(ValueError, match="limit=-5 must be at least 0"):
+        read_trace(csv, limit=-5)
+    utc = timezone.utc
+    with pytest.raises(ValueError, match=r"start=2017-10-09T07:00:05\+00:00 has a UTC offset but"):
+        read_trace(csv, start=datetime(2017, 10, 9, 7, 0, 5, tzinfo=utc))
+    aware = tmp_path / "aware.csv"
+    aware.write_text("timestamp,duration,num_gpus,gpu_time,cluster\n"
+                     "2017-10-09 07:00:00+02:00,1.0,1,1.0,vc1\n2017-10-09 06:00:00+00:00,1.0,2,2.0,vc1\n")
+    # ordered and filtered by instant: 07:00+02:00 is 05:00 UTC, an hour before the other
+    assert [(j.gpus, j.submit) for j in read_trace(aware)] == [(1, 0.0), (2, 3600.0)]
+    assert [j.gpus for j in read_trace(aware, start=datetime(2017, 10, 9, 5, 30, tzinfo=utc))] == [2]
+    with pytest.raises(ValueError, match="end=2017-10-10T00:00:00 lacks a UTC offset"):
+        read_trace(aware, end=datetime(2017, 10, 10))
+
+
+def test_trace_jobs_are_checked():
+    with pytest.raises(ValueError, match=r"'j': min_gpus=0 must be within 1..gpus=8"):
+        TraceJob("j", 0, 10, 8, min_gpus=0)
+    with pytest.raises(ValueError, match=r"min_gpus=9 must be within 1..gpus=8 \(None: a fixed"):
+        TraceJob("j", 0, 10, 8, min_gpus=9)
+    with pytest.raises(ValueError, match="gpus=0 must be at least 1"):
+        TraceJob("j", 0, 10, 0)
+    assert TraceJob("j", 0, 10, 8, min_gpus=8).min_gpus == 8
 
 
 def test_gpus_map_to_tp_inside_a_node_and_dp_across():
@@ -132,3 +156,27 @@ def test_philly_trace_replays():
     assert len(trace) == 300 and trace[0].submit == 0
     r = simulate(trace, Topology.synthetic(16, 8, 8), "raylib")
     assert r.finished + r.rejected == 300 and 0 < r.utilisation <= 1
+
+
+def test_best_placement_respects_what_nodes_can_host():
+    # 8 GPUs a node, but CPUs for 4 ranks: the best 8-GPU placement spans both nodes, so a lone job
+    # on the empty cluster runs at its traced duration (not stretched against an impossible best)
+    levels = [Level(name="nvlink", bandwidth_gbps=150), Level(name="node", bandwidth_gbps=50),
+              Level(name="leaf", bandwidth_gbps=12.5)]
+    for limit in ({"usable": 4}, {"cpus": 4}):
+        topo = Topology(levels=levels, nodes=[Node(id=f"n{i}", gpus=8, islands=[4, 4], **limit)
+                                              for i in range(2)])
+        r = simulate([TraceJob("a", 0, 100, 8)], topo, comm_fraction=0.5)
+        assert r.jct_by_job["a"] == pytest.approx(100), limit
+
+
+def test_queue_delay_is_time_queued_not_time_running():
+    # elastic: 8 GPUs asked, 4 exist; it starts at once at 4 and runs 200 s, none of it queued
+    r = simulate([TraceJob("e", 0, 100, 8, min_gpus=1)], Topology.synthetic(1, gpus_per_node=4))
+    assert r.jct_by_job["e"] == 200 and r.avg_queue_delay_s == 0
+    # restart overhead is run time too; the wait while preempted is queueing
+    topo = Topology.synthetic(2, gpus_per_node=4, nodes_per_leaf=2)
+    trace = [TraceJob("low", 0, 100, 8), TraceJob("high", 10, 20, 8, priority=5)]
+    r = simulate(trace, topo, "raylib", resize_overhead_s=5)
+    assert r.jct_by_job["low"] == 125  # 10 s run, 20 s preempted, 5 s restart, 90 s run
+    assert r.avg_queue_delay_s == pytest.approx((20 + 0) / 2)

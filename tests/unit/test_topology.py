@@ -66,6 +66,23 @@ def test_fat_tree_shape_and_shared_levels():
     assert topo.nodes[0].selector == {LABEL_NODE: "n00"}
 
 
+def test_shared_level_of_a_node_without_accelerators():
+    # a 0-GPU node has no islands: compared by its path, not by an island of the next node
+    topo = Topology.from_dict({"nodes": [
+        {"id": "cpu", "gpus": 0, "path": {"leaf": "l0"}},
+        {"id": "a", "gpus": 4, "path": {"leaf": "l1"}},
+        {"id": "b", "gpus": 4, "path": {"leaf": "l1"}},
+        {"id": "last", "gpus": 0, "path": {"leaf": "l1"}}]})
+    assert topo.shared_level_name("cpu", "a") == "spine"
+    assert topo.shared_level_name("cpu", "cpu") == "node"
+    assert topo.shared_level_name("last", "b") == "leaf"  # its island 0 would be past the end
+    assert topo.shared_level_name("last", ("a", 3)) == "leaf"
+    assert topo.shared_level_name("a", ("a", 3)) == "node"
+    assert topo.shared_level_name(("a", 0), ("b", 0)) == "leaf"
+    with pytest.raises(IndexError, match="has 4 accelerators, not 5"):
+        topo.shared_level("last", ("a", 4))
+
+
 def test_roce_file_mixes_island_sizes():
     topo = Topology.from_yaml(REPO / "deployment/topologies/spine_leaf_roce.yaml")
     small = topo.node("n21")

@@ -6,6 +6,7 @@ A leaf: imports nothing of raylib, so the spec and the data and checkpoint layer
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -39,6 +40,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# YAML 1.1 (PyYAML) reads 1e-5 and 1.0e5 as strings: its floats need a dot and a signed exponent.
+# What people write for a learning rate or an epsilon is a number (as in YAML 1.2 and JSON).
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def parse_yaml(text: str) -> Any:
+    """A YAML document or a `--set` value, read as every raylib file is (1e-5 is a float)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 def load_yaml_mapping(path: str | Path, what: str, error: type[Exception] = ValueError) -> dict[str, Any]:
     """The mapping in the YAML file `path` ({} when empty). `what` names the file in errors
     ("config file", "dataset manifest" ...); `error` is the exception type raised."""
@@ -46,7 +59,7 @@ def load_yaml_mapping(path: str | Path, what: str, error: type[Exception] = Valu
     if not path.is_file():
         raise error(f"{what} {str(path)!r} not found")
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+        data = parse_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise error(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):

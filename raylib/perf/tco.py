@@ -144,13 +144,13 @@ def _explain(e: ValidationError, source: str) -> str:
 
 
 def _apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    import yaml
+    from raylib.fileio import parse_yaml
 
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--set {item!r}: expected key=value, e.g. utilisation=0.5")
-        data[key.strip()] = yaml.safe_load(raw)  # YAML: 0.5 → float, 1e9 → float (needs a dot: 1.0e9)
+        data[key.strip()] = parse_yaml(raw)  # 0.5 and 1e9 are floats
     return data
 
 

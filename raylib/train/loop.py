@@ -122,7 +122,8 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     first_batch = None
 
     node = ray.get_runtime_context().get_node_id()
-    telemetry = _start_telemetry(spec, rank, ctx.get_local_rank(), node, on_gpu, config.get("gang"))
+    telemetry = _start_telemetry(spec, rank, ctx.get_local_rank(), node, on_gpu, config.get("gang"),
+                                 engine.device)
     utilisation = whole if layout.pp > 1 else \
         Utilisation.of(engine.module, spec, index.seq_len, global_batch, on_gpu) if rank == 0 else None
     cadence = ReportCadence(config.get("report_interval_s", 0.0))
@@ -139,6 +140,9 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         batches = _pipe_batches(batches, spec.task.type, parts)
         pipe.use_schedule(engine, spec.strategy.pipeline_schedule)
         clock = pipe.StageClock(engine)  # busy vs waiting per stage: the bubble, measured
+    # from_pretrained hands the model over in eval mode (dropout off); only evaluation switched
+    # it back, after its first round
+    engine.train()
     loop_start = time.perf_counter()
     try:
         for step in range(start, spec.run.steps):
@@ -222,11 +226,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     if pipeline:
         pipeline.close()
 
-    # Mean loss over ranks (one collective at the end, not one per step).
-    curve = torch.tensor(losses, dtype=torch.float64)
-    if losses:
-        dist.all_reduce(curve)
-        curve /= dist.get_world_size()
+    curve = _mean_over_ranks(losses, engine.device)  # one collective at the end, not one per step
     ranks: list[tuple | None] = [None] * dist.get_world_size()
     rank_telemetry = telemetry.finish() if telemetry is not None else None
     data_brief = {k: v for k, v in data_metrics.items() if k != "timeline"} if data_metrics else None
@@ -245,7 +245,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     if rank != 0:
         return None
     return RunHistory(
-        start_step=start, global_batch=global_batch, losses=curve.tolist(), step_times=step_times,
+        start_step=start, global_batch=global_batch, losses=curve, step_times=step_times,
         data_wait_s=parts.data_wait, checkpoint_s=parts.seconds["checkpoint"], loop_s=loop_s,
         rank_nodes=[r[1] for r in ranks],
         param_digests=[r[0] for r in ranks] if verify else None, restored_param_digest=restored_digest,
@@ -311,13 +311,24 @@ def _peak_memory(on_gpu: bool) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _mean_over_ranks(value: float, device) -> float:
+def _reduce(values: list[float], op: str = "sum", *, device) -> list[float]:
+    """`values` summed (or their max) over the job's ranks. The tensor lives on the rank's device:
+    on GPU the job's process group is NCCL only, which has no backend for CPU tensors."""
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def _mean_over_ranks(value, device):
+    """The mean over ranks of a number, or of a list element by element (a collective unless empty)."""
+    import torch.distributed as dist
+
+    if isinstance(value, list):
+        return [v / dist.get_world_size() for v in _reduce(value, device=device)] if value else []
+    return _reduce([value], device=device)[0] / dist.get_world_size()
 
 
 def _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start, state, device,
@@ -378,6 +389,11 @@ def _pipe_eval(engine, evaluator, spec) -> dict[str, float]:
         c = torch.tensor(evaluator.task.eval_counts(None, loss.float(), batch), dtype=torch.float64)
         counts = c if counts is None else counts + c
     engine.train()
+    if counts is None:  # every replica's share has the same size: all ranks raise here, none waits
+        raise RuntimeError(
+            f"pipeline evaluation needs whole micro-batches of {rows} rows, but this replica's "
+            f"share of the validation split holds {len(evaluator.batches)} shorter batch(es); "
+            "build a larger validation split or lower strategy.micro_batch_size")
     counts = counts.to(evaluator.device)
     dist.all_reduce(counts)  # every stage holds its replica's counts: divide the pp copies out
     counts /= engine.num_stages
@@ -478,24 +494,18 @@ def _job_probe(gang: dict[str, str] | None, rank: int, device, telemetry, cadenc
     return probe
 
 
-def _start_telemetry(spec, rank: int, local_rank: int, node: str, on_gpu: bool, gang):
+def _start_telemetry(spec, rank: int, local_rank: int, node: str, on_gpu: bool, gang, device):
     """This rank's sampler, health rules and power limits (None: telemetry and power are off)."""
     if not (spec.telemetry.enabled or spec.power.limit_w or spec.power.tune):
         return None
-    from raylib.telemetry.rank import RankTelemetry
-
-    def all_reduce(values: list[float], op: str) -> list[float]:  # power.tune's joint pick
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-        return t.tolist()
-
+    import functools
     import uuid
 
     import torch.distributed as dist
 
+    from raylib.telemetry.rank import RankTelemetry
+
+    all_reduce = functools.partial(_reduce, device=device)  # power.tune's joint pick
     fit = [uuid.uuid4().hex[:12]]
     dist.broadcast_object_list(fit, src=0)  # one id for this fit's ranks: its energy is counted once
     return RankTelemetry(spec, rank=rank, local_rank=local_rank, node=node, on_gpu=on_gpu,

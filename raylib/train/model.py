@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
 
@@ -102,9 +103,9 @@ def build_model(spec: JobSpec, index: DatasetIndex, seed: int, config: Pretraine
     config = config or model_config(spec, index)
     auto = getattr(transformers, task_for(spec, index).auto_class)
     torch.manual_seed(seed)  # the new weights (all of them, or a pretrained model's new head)
-    if spec.model.pretrained is not None:
+    if spec.model.pretrained is not None:  # from_pretrained returns it in eval mode: dropout off
         return auto.from_pretrained(local_pretrained(spec.model.pretrained), config=config,
-                                    ignore_mismatched_sizes=True)
+                                    ignore_mismatched_sizes=True).train()
     return auto.from_config(config)
 
 
@@ -136,12 +137,16 @@ def local_pretrained(url: str) -> str:
                          hashlib.sha256(url.encode()).hexdigest()[:16])
     if not os.path.isfile(os.path.join(local, ".complete")):
         part = f"{local}.part-{os.getpid()}"
-        fs.get(root + "/", part, recursive=True)
-        os.makedirs(os.path.dirname(local), exist_ok=True)
         try:
-            os.replace(part, local)
-        except OSError:  # another rank of this node got there first
-            pass
+            fs.get(root + "/", part, recursive=True)
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            try:
+                os.replace(part, local)
+            except OSError:  # another rank of this node got there first (its copy is whole)
+                if not os.path.isdir(local):
+                    raise
+        finally:  # a losing rank's copy, or a failed fetch's, is not left in the temp dir
+            shutil.rmtree(part, ignore_errors=True)
         open(os.path.join(local, ".complete"), "w").close()
     return local
 

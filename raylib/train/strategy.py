@@ -90,7 +90,8 @@ def resolve_ds_config(spec: JobSpec, on_gpu: bool = False) -> dict[str, Any]:
     for key in ("optimizer", "scheduler"):
         # A user's own optimizer/scheduler type takes none of the generated type's params.
         theirs = user.get(key, {}).get("type", "auto")
-        if theirs != "auto" and key in generated and theirs != generated[key]["type"]:
+        if theirs != "auto" and key in generated and \
+                _type_key(key, theirs) != _type_key(key, generated[key]["type"]):
             del generated[key]
     _compression_section(spec, user, generated, on_gpu)
     config = _merge(user, generated)
@@ -103,6 +104,16 @@ def resolve_ds_config(spec: JobSpec, on_gpu: bool = False) -> dict[str, Any]:
     except ValueError as e:
         raise ValueError(_blame(str(e), user)) from None
     return config
+
+
+def _type_key(section: str, name: Any) -> Any:
+    """An optimizer/scheduler type as DeepSpeed matches it: its own optimizers (Adam, AdamW, ...)
+    in any case, torch.optim classes and schedulers by their exact name."""
+    if section == "optimizer" and isinstance(name, str):
+        from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+        return name.lower() if name.lower() in DEEPSPEED_OPTIMIZERS else name
+    return name
 
 
 # DeepSpeed keys raylib writes from a strategy field: an error about one names the field
@@ -297,6 +308,8 @@ def _optimizer_section(spec: JobSpec, on_gpu: bool) -> dict[str, Any]:
         # ZeRO partition is ~10x slower, and its cost grows with the model.
         params["torch_adam"] = True
         params["fused"] = True
+    if o.type == "adam":  # DeepSpeed's "Adam" is AdamW (decoupled decay) unless told otherwise
+        params["adam_w_mode"] = False
     return {"type": "AdamW" if o.type == "adamw" else "Adam", "params": params}
 
 
@@ -306,7 +319,8 @@ def adamw_path(spec, on_gpu: bool) -> str:
         return "torch SGD"
     if spec.strategy.offload_optimizer:
         return "DeepSpeed cpu_adam (fused, on the CPU copy)"
-    return "DeepSpeed FusedAdam (multi-tensor)" if on_gpu else "torch fused AdamW"
+    return "DeepSpeed FusedAdam (multi-tensor)" if on_gpu else \
+        f"torch fused {'Adam' if spec.strategy.optimizer.type == 'adam' else 'AdamW'}"
 
 
 def _scheduler_section(spec: JobSpec) -> dict[str, Any] | None:

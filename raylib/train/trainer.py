@@ -179,7 +179,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
                     reservation.release()
                 bar.settle()
                 remove_orphaned_placement_groups(bar.placement_groups)
-                _raise_run_failed(spec, e, run_dir)
+                _raise_run_failed(spec, e, run_dir, on_gpu, part_spec.world_size)
                 raise
             # A preempted job is already queued again (and may even have been granted its gang
             # anew): releasing it now would drop it from the queue.
@@ -402,9 +402,11 @@ def _gang_handle(reservation, resource: str) -> dict[str, str] | None:
             "actor": f"{gang.ACTOR_NAME}-{resource.lower()}"}
 
 
-def _raise_run_failed(spec: JobSpec, error: BaseException, run_dir: Path) -> None:
+def _raise_run_failed(spec: JobSpec, error: BaseException, run_dir: Path, on_gpu: bool = False,
+                      workers: int | None = None) -> None:
     """After Ray Train gave up: one error that says how many failures happened, the last one,
-    and where the last good checkpoint is (rerunning the same command resumes from it)."""
+    and where the last good checkpoint is (rerunning the same command resumes from it).
+    on_gpu, workers: what the worker group asked Ray for (this part's size, for an elastic run)."""
     from ray.exceptions import RayActorError
     from ray.train import ControllerError, WorkerGroupError
 
@@ -427,8 +429,11 @@ def _raise_run_failed(spec: JobSpec, error: BaseException, run_dir: Path) -> Non
         cause = str(error.controller_failure).strip().splitlines()[0]
         if isinstance(error.controller_failure, WorkerGroupStartupTimeoutError):
             failures = f"{STARTUP_FAILURE_LIMIT + 1} attempts to start its worker group"
-            cause = (f"{spec.world_size} workers x {spec.scaling.cpus_per_worker:g} CPU could not be placed; "
-                     f"{resource_holders('GPU' if spec.scaling.use_gpu is True else 'CPU')}. "
+            asked = worker_resources(spec, worker_gpus(spec, on_gpu))
+            each = ", ".join(f"{v / 2**30:g} GiB memory" if k == "memory" else f"{v:g} {k}"
+                             for k, v in asked.items())
+            holders = "; ".join(resource_holders(r) for r in ("GPU", "CPU") if r in asked)
+            cause = (f"{workers or spec.world_size} workers x ({each}) could not be placed; {holders}. "
                      "Free those resources (stop that job, or remove its placement group) or add nodes")
     else:
         return
@@ -447,7 +452,8 @@ def last_checkpoint(spec: JobSpec, run_dir: Path) -> str:
     this driver."""
     from raylib.checkpoint.checkpointer import POINTER, newest_held_run, policy_of, run_family
 
-    dirs = sorted(run_dir.glob("checkpoint_*"), key=lambda p: p.stat().st_mtime)
+    # directories only: Ray Train's checkpoint_manager_snapshot.json matches too, and is the newest
+    dirs = sorted((p for p in run_dir.glob("checkpoint_*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
     pointer = dirs[-1] / POINTER if dirs else None
     pointed = json.loads(pointer.read_text()) if pointer and pointer.is_file() else {}
     run = pointed.get("run")
@@ -520,12 +526,24 @@ def _has_checkpoint(run_dir: Path) -> bool:
 
 
 def _check_data_fits(spec: JobSpec, index, micro: int) -> None:
-    per_rank = index.num_rows // spec.world_size
-    if per_rank < micro:
+    """Every data-parallel replica's share of the rows holds a micro-batch (the tp/pp ranks of a
+    replica read the same rows); under pipeline stages also of the validation split, which they
+    evaluate in whole micro-batches only."""
+    per_replica = index.num_rows // spec.dp_size
+    if per_replica < micro:
         raise ValueError(
-            f"data.path {spec.data.path!r} has {index.num_rows} rows: {per_rank} per worker, "
-            f"fewer than micro_batch_size={micro}; build a larger dataset (manifest size) or "
-            "lower strategy.micro_batch_size"
+            f"data.path {spec.data.path!r} has {index.num_rows} rows: {per_replica} for each of "
+            f"{spec.dp_size} data-parallel replica(s), fewer than micro_batch_size={micro}; build a "
+            "larger dataset (manifest size) or lower strategy.micro_batch_size"
+        )
+    per_replica = index.num_validation_rows // spec.dp_size
+    if spec.strategy.pipeline_parallel > 1 and index.validation and per_replica < micro:
+        raise ValueError(
+            f"data.path {spec.data.path!r} has {index.num_validation_rows} validation rows: {per_replica} "
+            f"for each of {spec.dp_size} data-parallel replica(s), fewer than micro_batch_size={micro}, and "
+            f"pipeline stages (pipeline_parallel={spec.strategy.pipeline_parallel}) evaluate whole "
+            "micro-batches only; build a larger validation split (manifest validation), lower "
+            "strategy.micro_batch_size, or rebuild without one (validation: null)"
         )
 
 

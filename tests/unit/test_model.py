@@ -163,12 +163,43 @@ def test_pretrained_directory(tmp_path):
     loaded = build_model(spec(model={"pretrained": str(tmp_path / "m")}), index(), seed=0)
     assert all(torch.equal(a, b) for a, b in zip(original.state_dict().values(),
                                                  loaded.state_dict().values(), strict=True))
+    # from_pretrained hands over an eval-mode model: training must start with dropout on
+    assert all(m.training for m in loaded.modules())
     (tmp_path / "empty").mkdir()
     empty = spec(model={"pretrained": str(tmp_path / "empty")})
     assert "not an HF model directory (no config.json" in bad(empty)
     assert "is not a directory" in bad(spec(model={"pretrained": str(tmp_path / "missing")}))
     msg = bad(spec(model={"pretrained": str(tmp_path / "m")}), index(vocab=VOCAB + 1))
     assert f"{VOCAB + 1} tokens" in msg and f"embeds {VOCAB}" in msg and "tokenizer" in msg
+
+
+def test_a_remote_pretrained_copy_lost_to_another_rank_leaves_no_partial_directory(tmp_path, monkeypatch):
+    """Ranks of a node that fetch the same remote model race to rename their copy into place: a
+    loser's rename fails (the winner's directory is not empty) and its copy must not stay in /tmp."""
+    import os
+    import tempfile
+
+    import fsspec
+
+    from raylib.train.model import local_pretrained
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    build_model(spec(model={"preset": "bert-tiny"}), index(), seed=0).save_pretrained(tmp_path / "m")
+    mem = fsspec.filesystem("memory")
+    url = f"memory://raylib-test-{os.getpid()}/m"
+    mem.put(str(tmp_path / "m") + "/", url + "/", recursive=True)
+    try:
+        local = local_pretrained(url)  # the winner
+        assert os.path.isfile(os.path.join(local, "config.json"))
+        # a loser: it found no .complete (the winner had not written it yet) and fetched its own copy
+        os.remove(os.path.join(local, ".complete"))
+        assert local_pretrained(url) == local
+    finally:
+        mem.rm(url, recursive=True)
+    parent = os.path.dirname(local)
+    assert os.listdir(parent) == [os.path.basename(local)], os.listdir(parent)
+    assert os.path.isfile(os.path.join(local, ".complete"))
+    assert os.path.isfile(os.path.join(local, "config.json"))
 
 
 def test_pretrained_gets_a_new_classification_head(tmp_path):

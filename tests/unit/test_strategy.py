@@ -130,12 +130,50 @@ def test_default_stage_is_2():
 
 
 @pytest.mark.parametrize("kind, ds_type", [("adamw", "AdamW"), ("adam", "Adam")])
-def test_adam_family(kind, ds_type):
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_adam_family(kind, ds_type, offload, on_gpu):
+    """adam is Adam (L2 weight decay, in the gradient), adamw AdamW (decoupled decay), whichever
+    implementation DeepSpeed picks: DeepSpeed's "Adam" alone runs AdamW."""
+    import torch
+
+    from raylib.train.ds_validate import _optimizer_class, _parse
+
     cfg = ds({"optimizer": {"type": kind, "lr": 0.003, "betas": [0.8, 0.95], "eps": 1e-6,
-                            "weight_decay": 0.1}})
+                            "weight_decay": 0.1}, "zero_stage": 2, "offload_optimizer": offload},
+             on_gpu=on_gpu)
+    torch_adam = {"torch_adam": True, "fused": True} if not (on_gpu or offload) else {}
+    mode = {"adam_w_mode": False} if kind == "adam" else {}
     assert cfg["optimizer"] == {"type": ds_type, "params": {
-        "lr": 0.003, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1, "torch_adam": True,
-        "fused": True}}
+        "lr": 0.003, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1, **torch_adam, **mode}}
+    # what DeepSpeedEngine._configure_basic_optimizer builds from it (ds_validate mirrors it)
+    parsed = _parse(cfg, 2)
+    cls, kwargs = _optimizer_class(parsed.optimizer_name, dict(parsed.optimizer_params), parsed)
+    if torch_adam:
+        assert cls is (torch.optim.AdamW if kind == "adamw" else torch.optim.Adam)
+    else:
+        assert kwargs.get("adam_w_mode", kwargs.get("adamw_mode")) is (kind == "adamw")
+
+
+def test_adam_decays_weights_as_l2_and_adamw_decoupled():
+    """One step from a zero gradient: Adam's L2 decay goes through the normalised update (a full
+    lr-sized step), AdamW's shrinks the weight by lr x weight_decay only."""
+    import torch
+
+    from raylib.train.ds_validate import _optimizer_class, _parse
+
+    moved = {}
+    for kind in ("adam", "adamw"):
+        cfg = ds({"optimizer": {"type": kind, "lr": 0.1, "weight_decay": 0.5}})
+        parsed = _parse(cfg, 2)
+        params = dict(parsed.optimizer_params)
+        cls, kwargs = _optimizer_class(parsed.optimizer_name, params, parsed)
+        w = torch.nn.Parameter(torch.ones(1))
+        w.grad = torch.zeros(1)
+        cls([w], **params, **kwargs).step()
+        moved[kind] = 1 - w.item()
+    assert moved["adam"] == pytest.approx(0.1, rel=1e-3)  # lr x sign(L2 gradient)
+    assert moved["adamw"] == pytest.approx(0.1 * 0.5, rel=1e-3)  # lr x weight_decay x w
 
 
 def test_sgd_has_only_sgd_params():
@@ -533,6 +571,24 @@ def test_offload_optimizer_with_stage_0_from_the_json_is_rejected():
 def test_non_mapping_deepspeed_sections_are_spec_errors(user):
     assert f"strategy.deepspeed_config.{next(iter(user))} must be a mapping" in \
         spec_error({"precision": "fp16", "deepspeed_config": user})
+
+
+@pytest.mark.parametrize("theirs", ["adamw", "ADAMW", "AdamW"])
+def test_a_native_optimizer_type_matches_the_strategys_in_any_case(theirs):
+    """DeepSpeed reads its own optimizer names in any case: the strategy's params still fill it."""
+    cfg = ds({"optimizer": {"type": "adamw", "lr": 0.004, "betas": [0.8, 0.9], "eps": 1e-7,
+                            "weight_decay": 0.2},
+              "deepspeed_config": {"optimizer": {"type": theirs, "params": {"lr": "auto"}}}})
+    assert cfg["optimizer"]["type"] == theirs
+    params = cfg["optimizer"]["params"]
+    assert (params["lr"], params["betas"], params["eps"], params["weight_decay"]) == \
+        (0.004, [0.8, 0.9], 1e-7, 0.2)
+
+
+def test_a_native_optimizer_of_another_type_takes_none_of_the_strategys_params():
+    cfg = ds({"optimizer": {"type": "adamw", "lr": 0.004},
+              "deepspeed_config": {"optimizer": {"type": "adam", "params": {"lr": 0.02}}}})
+    assert cfg["optimizer"] == {"type": "adam", "params": {"lr": 0.02}}
 
 
 def test_user_sgd_optimizer_gets_no_adam_params():

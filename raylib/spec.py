@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from raylib.fileio import load_yaml_mapping
+from raylib.fileio import load_yaml_mapping, parse_yaml
 
 # Architecture presets by family, from tiny (tests, demos) to the published sizes. A preset holds
 # fields of that family's transformers config class; models are always built from a config (or
@@ -821,6 +821,10 @@ class HealthRule(_Section):
         if self.metric == "xid" and not all(isinstance(v, int) for v in self.value):
             raise ValueError(f"health rule {self.name!r}: xid values are numbers (xid: [79, 48]), got "
                              f"{self.value}")
+        if self.metric == "xid" and self.for_s > 0:  # an XID event is in the one sample after it
+            raise ValueError(f"health rule {self.name!r}: an XID is an event, read in one sample only, so "
+                             f"for_s={self.for_s:g} could never be met; drop for_s (the rule acts on the "
+                             "first event)")
         if self.metric == "throttle":
             unknown = [v for v in self.value if v not in THROTTLE_REASONS]
             if unknown:  # a reason no reading carries: a rule that can never fire
@@ -1108,7 +1112,7 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         if not isinstance(node, dict):
             raise SpecError(f"--set {item!r}: {p!r} is not a section")
     try:
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = parse_yaml(raw)
     except yaml.YAMLError as e:
         raise SpecError(f"--set {item!r}: the value is not valid YAML ({str(e).splitlines()[0]}); quote "
                         f"it as a string: --set '{key}=\"{raw}\"'") from None

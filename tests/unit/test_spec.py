@@ -372,6 +372,10 @@ def test_apply_override_keeps_sibling_keys():
          {"fp16": {"enabled": True}}),
         ("strategy.zero_stage = 1", "zero_stage", 1),  # spaces around '=' are fine
         ("strategy.precision='3'", "precision", "3"),  # quoting keeps a string
+        # numbers as people write them (PyYAML alone reads these two as strings)
+        ("strategy.lr=1e-5", "lr", 1e-5),
+        ("strategy.eps=1.0e8", "eps", 1.0e8),
+        ("strategy.name='1e-5'", "name", "1e-5"),
     ],
 )
 def test_apply_override_values_are_yaml_typed(item, key, expected):
@@ -379,6 +383,13 @@ def test_apply_override_values_are_yaml_typed(item, key, expected):
     apply_override(data, item)
     assert data["strategy"][key] == expected
     assert type(data["strategy"][key]) is type(expected)
+
+
+def test_exponent_floats_in_a_file_are_floats(tmp_path):
+    """`layer_norm_eps: 1e-5` in a config file reaches the model's config as a float."""
+    path = tmp_path / "job.yaml"
+    path.write_text("model: {overrides: {layer_norm_eps: 1e-5}}\n")
+    assert JobSpec.from_yaml(path).model.overrides["layer_norm_eps"] == 1e-5
 
 
 def test_apply_override_splits_on_the_first_equals_sign():

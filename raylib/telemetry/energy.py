@@ -31,6 +31,22 @@ def _wall_s(ranks: list[dict[str, Any]]) -> float:
     return sum(fits.values())
 
 
+def _gpu_joules(ranks: list[dict[str, Any]]) -> float:
+    """Each GPU once per fit: ranks that share one (fractional GPUs) read its counter over about the
+    same interval, so the largest reading counts, not their sum. A record without the per-device
+    split counts whole."""
+    whole = 0.0
+    devices: dict[tuple, float] = {}
+    for r in ranks:
+        if not r.get("gpu_j_by_device"):
+            whole += r["gpu_j"]
+            continue
+        for device, joules in r["gpu_j_by_device"].items():
+            key = (r.get("fit"), r.get("node") or r["machine"], device)
+            devices[key] = max(devices.get(key, 0.0), joules)
+    return whole + sum(devices.values())
+
+
 def run_energy(ranks: list[dict[str, Any]], steps: int, tokens: int, telemetry) -> dict[str, Any] | None:
     """ranks: each rank's `Sampler.energy()` record. telemetry: spec.TelemetrySpec."""
     ranks = [r for r in ranks if r]
@@ -38,7 +54,7 @@ def run_energy(ranks: list[dict[str, Any]], steps: int, tokens: int, telemetry) 
         return None
     gpu = [r for r in ranks if r.get("gpu_j") is not None]
     if gpu:
-        joules = sum(r["gpu_j"] for r in gpu)
+        joules = _gpu_joules(gpu)
         sources = sorted({r["gpu_source"] for r in gpu})
         source, estimate = f"measured: GPU {' + '.join(sources)} ({len(gpu)} rank(s))", False
     else:

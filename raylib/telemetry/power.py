@@ -1,7 +1,7 @@
 """GPU power limits for a run: a fixed limit, caps set by health rules, and Zeus-style tuning
-(You et al., NSDI'23): step the limit, measure time and energy per step at each, train on at the
-limit with the least eta * energy + (1 - eta) * max_power * time. Every limit set is restored
-when the run ends (`PowerControl.restore`)."""
+(You et al., NSDI'23): step the limit, measure time and energy per step at each (after the fit's
+warm-up steps), train on at the limit with the least eta * energy + (1 - eta) * max_power * time.
+Every limit set is restored when the run ends (`PowerControl.restore`)."""
 
 from __future__ import annotations
 
@@ -74,10 +74,14 @@ def zeus_cost(energy_j: float, time_s: float, eta: float, max_power_w: float) ->
 class PowerTuner:
     """Driven by the loop after every optimizer step (all ranks at the same steps): measures
     `steps_per_limit` steps at each limit of the sweep, then picks jointly (the slowest rank's
-    time, all ranks' energy: one all-reduce) and sets the pick on every GPU."""
+    time, all ranks' energy: one all-reduce) and sets the pick on every GPU. The fit's first
+    WARMUP_STEPS steps run at the first limit unmeasured: they pay for lazy initialisation."""
 
     def __init__(self, control: PowerControl, sampler, spec, all_reduce=None):
+        from raylib.summary import WARMUP_STEPS
+
         self.control, self.sampler, self.spec = control, sampler, spec
+        self._warmup = WARMUP_STEPS
         self.all_reduce = all_reduce  # (values: list[float], op: "max"|"sum") -> list[float]
         index = control.indices[0]
         self.limits = sweep_limits(control.backend, index, spec)
@@ -101,6 +105,9 @@ class PowerTuner:
     def _apply(self, watts: float) -> None:
         for i in self.control.indices:
             self.control.set(i, watts, "power.tune sweep")
+        self._restart()
+
+    def _restart(self) -> None:
         self._steps, self._time = 0, 0.0
         self._e0 = self._gpu_energy()
 
@@ -110,6 +117,11 @@ class PowerTuner:
 
     def step_done(self, step_s: float) -> None:
         if self.done:
+            return
+        if self._warmup:  # the first limit is measured from the first step after warm-up
+            self._warmup -= 1
+            if not self._warmup:
+                self._restart()
             return
         self._steps += 1
         self._time += step_s

@@ -16,9 +16,16 @@ log = logging.getLogger(__name__)
 
 def rank_devices(nvml, on_gpu: bool, local_rank: int) -> list[int] | None:
     """This rank's NVML device indices: the GPUs Ray gave it (CUDA_VISIBLE_DEVICES: indices or
-    UUIDs); on a CPU rank beside NVML devices (a test's fake) the one at its local rank."""
+    UUIDs). A CPU rank uses no GPU, so it reads none (its energy is not a GPU's, no rule or cap
+    acts on one), except the fake NVML's, which stand in for GPUs on CPU clusters: the one at its
+    local rank."""
     if nvml is None:
         return None
+    if not on_gpu:
+        from raylib.testing.fake_nvml import FakeNvml
+
+        if not isinstance(nvml, FakeNvml):
+            return None
     count = nvml.nvmlDeviceGetCount()
     if count == 0:
         return None
@@ -107,7 +114,8 @@ class RankTelemetry:
         if self.gpu is not None:
             self.gpu.close()
         return {"rank": self.rank, "node": self.node, "devices": [f"gpu{i}" for i in self.indices],
-                "energy": self.sampler.energy(), "series": self.sampler.series(),
+                # the node tells GPUs of one index apart (energy counts each device once)
+                "energy": {**self.sampler.energy(), "node": self.node}, "series": self.sampler.series(),
                 "firings": [f.to_dict() for f in self.sampler.monitor.fired] if self.sampler.monitor else [],
                 "power": {"changes": self.power.changes if self.power else [],
                           "tune": self.tuner.report() if self.tuner else None, "skipped": self.power_skipped,

@@ -11,15 +11,37 @@ from raylib.telemetry.energy import run_energy
 from raylib.train.utilisation import PARTS, fractions
 
 
+def _step_fits(history) -> list[tuple[int, int]]:
+    """Per step of history.step_times: (devices, global batch) of the fit that ran it. After an
+    elastic resize history.utilisation is the last fit's; history.segments has every fit's."""
+    u, segments = history.utilisation, history.segments
+    if len(segments) > 1 and sum(g["steps"] for g in segments) == len(history.step_times) \
+            and all(g["workers"] for g in segments):
+        return [(g["workers"], g["global_batch"]) for g in segments for _ in range(g["steps"])]
+    return [(u["devices"], history.global_batch)] * len(history.step_times)
+
+
+def _mfu(history, timed: list[float]) -> float | None:
+    """The timed steps' model FLOPs over what their devices could have done meanwhile: each step at
+    its own fit's devices and batch (a mean step time over fits of different sizes is not one)."""
+    u = history.utilisation
+    if not timed or sum(timed) <= 0:
+        return None
+    fits = _step_fits(history)[len(history.step_times) - len(timed):]  # timed: the steps after warm-up
+    flops_per_sample = u["flops_per_step"] / history.global_batch  # the last fit's step, its batch
+    flops = sum(flops_per_sample * batch for _, batch in fits)
+    capacity = sum(t * u["peak_per_device"] * devices for t, (devices, _) in zip(timed, fits, strict=True))
+    return flops / capacity if capacity else None
+
+
 def utilisation_summary(history, timed: list[float]) -> dict[str, Any] | None:
     u = history.utilisation
     if not u and not history.breakdown:
         return None
     out: dict[str, Any] = {}
     if u:
-        step_s = sum(timed) / len(timed) if timed else None
         out.update(
-            mfu=u["flops_per_step"] / step_s / (u["peak_per_device"] * u["devices"]) if step_s else None,
+            mfu=_mfu(history, timed),
             model_flops_per_step=u["flops_per_step"], model_flops_per_token=u["flops_per_token"],
             peak_flops_per_device=u["peak_per_device"], peak_source=u["peak_source"], devices=u["devices"],
             trainable_fraction=u["trainable_fraction"])
@@ -87,9 +109,10 @@ def plot_timeline(history, path: Path, title: str) -> None:
     u = history.utilisation
     if u:
         mfu_ax = steps_ax.twinx()
-        peak = u["peak_per_device"] * u["devices"]
-        mfu_ax.plot(x, [100 * u["flops_per_step"] / t / peak for t in history.step_times], color="C1",
-                    label="MFU")
+        per_sample = u["flops_per_step"] / history.global_batch / u["peak_per_device"]
+        mfu_ax.plot(x, [100 * per_sample * batch / t / devices
+                        for t, (devices, batch) in zip(history.step_times, _step_fits(history), strict=True)],
+                    color="C1", label="MFU")
         mfu_ax.set(ylabel="MFU %")
         mfu_ax.legend(loc="upper right", fontsize=8)
     steps_ax.legend(loc="upper left", fontsize=8)

@@ -113,23 +113,28 @@ class Sampler:
             ends = {d["index"]: d for d in last.get("devices") or []}
             if all(devices[i].get("energy_j") is not None and ends.get(i, {}).get("energy_j") is not None
                    for i in devices):
-                out["gpu_j"] = sum(ends[i]["energy_j"] - devices[i]["energy_j"] for i in devices)
+                per_device = {f"gpu{i}": ends[i]["energy_j"] - devices[i]["energy_j"] for i in devices}
                 out["gpu_source"] = "NVML energy counter"
             else:
-                out["gpu_j"] = self._power_integral()
+                per_device = self._power_integral()
                 out["gpu_source"] = "power integrated over samples"
+            # per device too: ranks that share a GPU must not add its energy up twice (run_energy)
+            out["gpu_j"], out["gpu_j_by_device"] = sum(per_device.values()), per_device
         host0, host1 = first.get("host") or {}, last.get("host") or {}
         if host0.get("energy_j") is not None and host1.get("energy_j") is not None:
             out["rapl_j"] = host1["energy_j"] - host0["energy_j"]
         out["cpu_seconds"] = (host1.get("cpu_seconds") or 0.0) - (host0.get("cpu_seconds") or 0.0)
         return out
 
-    def _power_integral(self) -> float:
-        joules = 0.0
+    def _power_integral(self) -> dict[str, float]:
+        """Joules per device: its power integrated over the samples (a failed read: 0 W)."""
+        joules: dict[str, float] = {}
         for a, b in zip(self.samples, self.samples[1:], strict=False):
-            pa = sum(d.get("power_w") or 0.0 for d in a.get("devices") or [])
-            pb = sum(d.get("power_w") or 0.0 for d in b.get("devices") or [])
-            joules += (pa + pb) / 2 * (b["t"] - a["t"])
+            pa = {f"gpu{d['index']}": d.get("power_w") or 0.0 for d in a.get("devices") or []}
+            pb = {f"gpu{d['index']}": d.get("power_w") or 0.0 for d in b.get("devices") or []}
+            for device in pa.keys() | pb.keys():
+                joules[device] = joules.get(device, 0.0) + \
+                    (pa.get(device, 0.0) + pb.get(device, 0.0)) / 2 * (b["t"] - a["t"])
         return joules
 
     def series(self) -> list[dict[str, Any]]:

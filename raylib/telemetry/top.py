@@ -50,6 +50,9 @@ def snapshot(endpoints: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    """The rows under a header; "" without rows (main says that no run publishes)."""
+    if not rows:
+        return ""
     cells = [[h for _, h, _ in COLUMNS]]
     for r in rows:
         cells.append([fmt.format(r[k]) if r.get(k) not in (None, "") else "" for k, _, fmt in COLUMNS])

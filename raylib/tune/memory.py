@@ -135,7 +135,8 @@ def estimate(shape: ModelShape, strategy, world: int, on_gpu: bool) -> MemoryEst
         gathered = 2 * weight_bytes * shape.largest_module_params
     host = 0
     if s.offload_optimizer:
-        fp32_grads = 4 * p // n if s.zero_stage in (1, 2) else 0
+        # the fp32 gradient partition of the trained parameters (PEFT: the adapter's), as the states
+        fp32_grads = 4 * t // n if s.zero_stage in (1, 2) else 0
         host += optimizer + fp32_grads
         optimizer = 0
     if s.offload_params:

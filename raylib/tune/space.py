@@ -65,7 +65,7 @@ class TuneSpec(BaseModel):
 
     space: dict[str, list[Any]] = Field(default_factory=default_space)
     """Values to try per key (see SPACE_KEYS). micro_batch_size, when absent, is every power of two
-    (and the largest value) that divides global batch / workers, the largest few."""
+    (and the largest value) that divides global batch / data-parallel replicas, the largest few."""
     objective: Literal["throughput", "cost_per_token", "eval_loss"] = "throughput"
     """throughput: maximise samples/s. cost_per_token: minimise USD per million tokens
     (price_per_device_hour x workers / tokens/s); differs when num_workers is searched. eval_loss:
@@ -215,8 +215,18 @@ def candidates(base: dict[str, Any], tune: TuneSpec, global_batch: int, hardware
     world_default, tp_default = base_spec.world_size, base_spec.strategy.tensor_parallel
     pp_default = base_spec.strategy.pipeline_parallel
     if "micro_batch_size" not in space:
-        worlds = space.get("num_workers", [world_default])
-        space["micro_batch_size"] = auto_micro_batches(global_batch, min(worlds))
+        # the batch splits over the data-parallel replicas (a tp group, a pipeline share one): the
+        # fewest of them hold the most samples each
+        layouts = itertools.product(space.get("num_workers", [world_default]),
+                                    space.get("tensor_parallel", [tp_default]),
+                                    space.get("pipeline_parallel", [pp_default]))
+        replicas = min((w // (tp * pp) for w, tp, pp in layouts if w >= tp * pp), default=1)
+        if replicas > global_batch:
+            workers = space.get("num_workers", [world_default])
+            raise ValueError(f"space.num_workers={workers}: every layout has more data-parallel replicas "
+                             f"than the global batch {global_batch} has samples, so no micro-batch keeps "
+                             "it; search fewer workers or raise strategy.global_batch_size")
+        space["micro_batch_size"] = auto_micro_batches(global_batch, replicas)
     keys = [k for k in SPACE_KEYS if k in space]
     out: list[Candidate] = []
     for values in itertools.product(*(space[k] for k in keys)):
@@ -260,10 +270,12 @@ def candidates(base: dict[str, Any], tune: TuneSpec, global_batch: int, hardware
     return out
 
 
-def auto_micro_batches(global_batch: int, world: int) -> list[int]:
-    per_worker = global_batch // world
-    choices = {m for m in (2 ** i for i in range(per_worker.bit_length())) if per_worker % m == 0}
-    choices.add(per_worker)
+def auto_micro_batches(global_batch: int, replicas: int) -> list[int]:
+    """Powers of two (and the largest value) dividing the batch of one of `replicas` data-parallel
+    replicas: the largest few."""
+    per_replica = global_batch // replicas
+    choices = {m for m in (2 ** i for i in range(per_replica.bit_length())) if per_replica % m == 0}
+    choices.add(per_replica)
     return sorted(choices)[-MAX_AUTO_MICRO_BATCHES:]
 
 

@@ -46,6 +46,18 @@ def objective_metrics(samples_per_s: float, seq_len: int, world: int,
     return out
 
 
+def oom_result(error: BaseException, seq_len: int, world: int, price_per_device_hour: float | None,
+               objective: str) -> dict[str, Any]:
+    """What a trial out of memory reports: every objective at its worst (no throughput, an infinite
+    cost or validation loss), so it ranks last. Tune's strict metric check ends the whole tuning
+    run on a result that lacks the objective's metric."""
+    out = {"step": 0, "status": "oom", "error": next(iter(str(error).splitlines()), "")[:200],
+           **objective_metrics(0.0, seq_len, world, price_per_device_hour)}
+    if objective == "eval_loss":
+        out["eval_loss"] = float("inf")
+    return out
+
+
 def run_trial(config: dict[str, Any], base: dict[str, Any], global_batch: int, seq_len: int,
               tune: dict[str, Any], out_dir: str) -> None:
     """Tune's function trainable (base, tune, ...: bound with tune.with_parameters)."""
@@ -72,8 +84,7 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], global_batch: int, s
     except Exception as e:
         if not is_out_of_memory(e):
             raise
-        ray_tune.report({"step": 0, "status": "oom", "error": str(e).splitlines()[0][:200],
-                         **objective_metrics(0.0, seq_len, spec.world_size, price)})
+        ray_tune.report(oom_result(e, seq_len, spec.world_size, price, tune["objective"]))
         return
     s = result.summary
     quality = {k: v for k, v in (s.get("eval") or {}).items() if k.startswith("eval_")}

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from raylib.spec import HW_SLOWDOWN, HealthRule, JobSpec, PowerSpec, SpecError, TelemetrySpec
+from raylib.summary import WARMUP_STEPS
 from raylib.telemetry import energy as energy_mod
 from raylib.telemetry import health
 from raylib.telemetry import sampler as sampler_mod
@@ -126,6 +127,8 @@ def test_the_specs_throttle_reasons_are_the_names_nvml_readings_carry():
      ["health.rules.0", "unknown throttle reason(s) ['HwSlowdown']", "hw_slowdown, sync_boost"]),
     ([{"name": "x", "metric": "xid", "op": "any_of", "value": ["79"]}],
      ["health.rules.0", "xid values are numbers (xid: [79, 48]), got ['79']"]),
+    ([{"name": "x", "metric": "xid", "op": "any_of", "value": [79], "for_s": 30}],  # each XID: one sample
+     ["health.rules.0", "an XID is an event, read in one sample only, so for_s=30 could never be met"]),
     ([{"name": "c", "metric": "cpu_pct", "value": 95, "action": "power_cap"}],
      ["health.rules.0", "power_cap lowers a GPU's power limit; cpu_pct is the host's reading"]),
     ("webhook", ["health.webhook: 'hooks.example.com/x' is not an http(s) URL", "e.g. https://"]),
@@ -462,6 +465,10 @@ def test_power_tuner_measures_each_limit_and_picks_the_least_zeus_cost(clock, et
     tuner = PowerTuner(PowerControl(backend, [0]), Sampler(gpu=backend),
                        PowerSpec(tune=True, step_w=200, steps_per_limit=2, eta=eta), all_reduce=all_reduce)
     assert tuner.limits == [700.0, 500.0, 300.0]
+    for _ in range(WARMUP_STEPS):  # the fit's slow first steps (lazy init) are not the first limit's cost
+        clock.advance(10.0)
+        tuner.step_done(10.0)
+    assert tuner.table == [] and backend.read()[0].power_limit_w == 700.0
     step_s = {700.0: 1.0, 500.0: 1.125, 300.0: 2.0}
     for limit in tuner.limits:
         assert backend.read()[0].power_limit_w == limit and not tuner.done
@@ -563,7 +570,8 @@ def test_rank_devices(monkeypatch):
     nv.nvmlInit()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1, 0")
     assert rank_devices(nv, on_gpu=True, local_rank=0) == [1, 0]
-    assert rank_devices(nv, on_gpu=False, local_rank=3) == [1]  # a CPU rank: local_rank % count
+    # a CPU rank reads a fake GPU (a CPU cluster rehearsing GPU telemetry) at local_rank % count
+    assert rank_devices(nv, on_gpu=False, local_rank=3) == [1]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-b")
     assert rank_devices(nv, on_gpu=True, local_rank=0) == [1]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
@@ -572,6 +580,50 @@ def test_rank_devices(monkeypatch):
     empty = FakeNvml(script())
     empty.nvmlInit()
     assert rank_devices(empty, on_gpu=False, local_rank=0) is None
+
+
+class LikePynvml:
+    """The fake NVML seen as the real pynvml (not a FakeNvml): a CPU job on a GPU node."""
+
+    def __init__(self, fake: FakeNvml):
+        self._fake = fake
+
+    def __getattr__(self, name: str):
+        return getattr(self._fake, name)
+
+
+def test_a_cpu_job_reads_no_real_gpu(rank_env, monkeypatch):
+    """A CPU rank on a GPU node uses no GPU: it reads none (no GPU energy reported as its own), and
+    no health rule or power limit acts on one. NVML is the project's fake, wrapped to look real."""
+    real = LikePynvml(FakeNvml(script(GPU, dict(GPU, uuid="GPU-b"))))
+    real.nvmlInit()
+    assert rank_devices(real, on_gpu=False, local_rank=1) is None
+    assert rank_devices(real, on_gpu=True, local_rank=1) == [1]  # a GPU rank without CUDA_VISIBLE_DEVICES
+    monkeypatch.setattr("raylib.telemetry.nvml.load", lambda: real)
+    hot = {"name": "hot", "metric": "temperature_c", "value": 80, "action": "power_cap"}
+    rt = RankTelemetry(job([hot], limit_w=350), rank=0, local_rank=0, node="node-a", on_gpu=False).start()
+    out = rt.finish()
+    assert rt.gpu is None and out["devices"] == [] and out["firings"] == []
+    assert out["energy"]["gpu_j"] is None and real.set_calls == []
+    assert out["power"]["skipped"] == "no NVML GPU on this rank: power limits need one"
+
+
+def test_ranks_sharing_a_gpu_count_its_energy_once(rank_env, clock):
+    """Two ranks of one fit on one GPU (a shared device; here the fake's single GPU, at both local
+    ranks) read the same counter: the run's energy is the device's, not twice it."""
+    ranks = [RankTelemetry(job([]), rank=r, local_rank=r, node="node-a", on_gpu=False, fit="f1").start()
+             for r in (0, 1)]
+    clock.advance(10.0)
+    records = [rt.finish()["energy"] for rt in ranks]
+    assert [(r["gpu_j"], r["gpu_j_by_device"], r["node"]) for r in records] == [
+        (5000.0, {"gpu0": 5000.0}, "node-a")] * 2  # 500 W for 10 s, seen by each rank
+    assert run_energy(records, steps=10, tokens=0, telemetry=TelemetrySpec())["energy_j"] == 5000.0
+    # other devices, nodes and fits add up; a record without the split counts whole
+    more = [{**records[0], "gpu_j_by_device": {"gpu1": 300.0}, "gpu_j": 300.0},
+            {**records[0], "node": "node-b"}, {**records[0], "fit": "f2"},
+            {**records[0], "gpu_j_by_device": None, "gpu_j": 7.0}]
+    total = run_energy(records + more, steps=10, tokens=0, telemetry=TelemetrySpec())["energy_j"]
+    assert total == 5000.0 + 300.0 + 5000.0 + 5000.0 + 7.0
 
 
 # -- the step's time breakdown ---------------------------------------------------------------------
@@ -667,6 +719,21 @@ def test_utilisation_summary():
     assert utilisation_summary(RunHistory(start_step=0, global_batch=8), timed=[1.0]) is None
 
 
+def test_mfu_of_an_elastic_run_weighs_each_fit_by_its_own_devices(tmp_path):
+    """10 steps on 4 workers at 1 s, then (resized) 10 on 2 at 2 s: 25% MFU each, so 25% in all
+    (the last fit's 2 devices at the mean step time of both fits made it 32%)."""
+    util = Utilisation(flops_per_token=4e12 / 1000, tokens_per_step=1000, devices=2, peak_per_device=4e12,
+                       peak_source="telemetry.peak_flops", trainable_fraction=1.0).to_dict()
+    fits = [RunHistory(start_step=10 * i, global_batch=8, losses=[1.0] * 10, step_times=[step_s] * 10,
+                       rank_nodes=["n"] * workers, utilisation=dict(util, devices=workers))
+            for i, (workers, step_s) in enumerate(((4, 1.0), (2, 2.0)))]
+    h = RunHistory.merge(fits)
+    assert h.utilisation["devices"] == 2  # the last fit's
+    assert utilisation_summary(h, timed=h.step_times[WARMUP_STEPS:])["mfu"] == pytest.approx(0.25)
+    assert utilisation_summary(fits[0], timed=fits[0].step_times)["mfu"] == pytest.approx(0.25)
+    plot_timeline(h, tmp_path / "timeline.png", "run")  # its MFU per step: each at its fit's devices
+
+
 def test_telemetry_summary_of_two_ranks():
     spec = JobSpec.from_dict({"telemetry": {"interval_s": 2}})
     t = telemetry_summary(history(), steps=3, tokens=3000, spec=spec)
@@ -733,6 +800,20 @@ def test_top_parses_the_metrics_endpoint_into_one_row_per_rank_and_device():
     lines = table(rows).splitlines()
     assert lines[0].split()[:5] == ["node", "run", "rank", "device", "MFU"]
     assert "42.0%" in lines[2] and "62" in lines[3] and "301" in lines[3]
+
+
+def test_top_says_when_no_run_publishes(monkeypatch, capsys):
+    import argparse
+
+    import ray
+
+    from raylib.telemetry import top
+
+    monkeypatch.setattr(ray, "init", lambda **kw: None)  # no cluster: no endpoint, no rows
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(top, "snapshot", lambda: [])
+    assert top.main(argparse.Namespace(address="auto", interval=1.0, once=True)) == 0
+    assert capsys.readouterr().out == "no raylib run is publishing metrics\n"
 
 
 @pytest.mark.unit

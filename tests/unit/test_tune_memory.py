@@ -126,3 +126,17 @@ def test_out_of_memory_is_recognised_through_the_wrappers():
     assert is_out_of_memory(wrapped(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")))
     assert is_out_of_memory(wrapped(ray.exceptions.OutOfMemoryError("the memory monitor killed it")))
     assert not is_out_of_memory(wrapped(ConnectionResetError("gloo: connection reset by peer")))
+
+
+def test_offloaded_fp32_gradients_are_of_the_trained_parameters_only():
+    """PEFT with the optimizer offloaded: ZeRO-1/2 keeps an fp32 gradient partition on the host for
+    the parameters the optimizer updates (LoRA's), not for the frozen 7B base (~100x too much)."""
+    from raylib.tune.memory import ModelShape, optimizer_state_bytes
+
+    trainable = 4_000_000
+    shape = ModelShape(params=7_000_000_000, largest_module_params=131_000_000, layers=32, hidden=4096,
+                       heads=32, intermediate=11008, vocab=32000, seq_len=512, trainable=trainable)
+    s = strategy(zero_stage=2, offload_optimizer=True, precision="bf16")
+    host = estimate(shape, s, 8, on_gpu=True).host_bytes
+    assert host == optimizer_state_bytes(trainable, s, 8) + 4 * trainable // 8
+    assert host < GIB  # the old estimate put 3.5 GB of the base's fp32 gradients there

@@ -5,6 +5,7 @@ their plans, and the state survives save/restore (what `raylib tune --resume` re
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 from ray.tune.search import Searcher
@@ -134,3 +135,33 @@ def test_a_trial_out_of_memory_does_not_end_a_cost_search():
         searcher.on_trial_complete(f"t{n}", result(config))
     assert tried == [16, 8, 4, 2]
     assert configs[searcher.incumbent] == {"micro_batch_size": 2}
+
+
+@pytest.mark.parametrize("objective, price", [("eval_loss", None), ("throughput", None),
+                                              ("cost_per_token", 2.0)])
+def test_a_trial_out_of_memory_passes_tunes_metric_check_and_ranks_last(objective, price):
+    """An out-of-memory trial reports the objective at its worst: Tune's strict metric check (run
+    here as the controller runs it, no cluster) ends the whole tuner.fit() on a result without it."""
+    from types import SimpleNamespace
+
+    from ray.tune.execution.tune_controller import TuneController
+    from ray.tune.schedulers import FIFOScheduler
+
+    from raylib.tune.trial import oom_result
+
+    settings = TuneSpec(objective=objective, price_per_device_hour=price)
+    searcher = StrategySearcher([{"micro_batch_size": 8}, {"micro_batch_size": 4}], "coordinate",
+                                settings.metric, settings.mode)
+    controller = SimpleNamespace(_metric=settings.metric, _scheduler_alg=FIFOScheduler(),
+                                 _search_alg=searcher)
+    result = oom_result(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB\nmore"), 128, 2, price,
+                        objective)
+    assert result["status"] == "oom" and result["error"] == "CUDA out of memory. Tried to allocate 2 GiB"
+    TuneController._validate_result_metrics(controller, {**result, "trial_id": "t0", "done": True})
+    worst = {"max": 0.0, "min": math.inf}[settings.mode]
+    assert result[settings.metric] == worst
+    searcher.suggest("t0")
+    searcher.on_trial_complete("t0", result)
+    assert searcher.suggest("t1") == {"micro_batch_size": 4}
+    searcher.on_trial_complete("t1", {settings.metric: 1.0})
+    assert searcher.incumbent == 1  # any trial that ran is better

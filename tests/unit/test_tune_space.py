@@ -250,3 +250,26 @@ def test_settings_early_stopping_cannot_use_is_refused_and_a_repeated_value_is_o
     with pytest.raises(ValueError, match=r"memory_budget=16 is 16 bytes; give a size with its unit"):
         TuneSpec(memory_budget=16)
     assert TuneSpec(memory_budget="16GB").budget_bytes() == 16 << 30
+
+
+def test_automatic_micro_batches_split_the_batch_over_data_parallel_replicas(cpu):
+    """tp=2 on 4 workers is 2 replicas of 8 samples each: micro-batch 8 keeps the global batch 16
+    (over the workers, 4, it was not offered)."""
+    base = {**BASE, "scaling": {"num_workers": 4}}
+    tune = TuneSpec(space={"tensor_parallel": [2], "zero_stage": [1]})
+    cands = candidates(base, tune, global_batch=16, hardware=cpu)
+    assert [(c.config["micro_batch_size"], c.config["gradient_accumulation_steps"]) for c in cands] == \
+        [(1, 8), (2, 4), (4, 2), (8, 1)]
+
+
+def test_more_workers_than_samples_is_a_clear_error(cpu):
+    """Every num_workers above the global batch: no micro-batch can keep it (was ZeroDivisionError)."""
+    tune = TuneSpec(space={"num_workers": [4, 8], "zero_stage": [1]})
+    with pytest.raises(ValueError, match=re.escape(
+            "space.num_workers=[4, 8]: every layout has more data-parallel replicas than the global "
+            "batch 2 has samples, so no micro-batch keeps it; search fewer workers or raise "
+            "strategy.global_batch_size")):
+        candidates(BASE, tune, global_batch=2, hardware=cpu)
+    # one layout that fits is enough: the others are recorded as invalid
+    cands = candidates(BASE, TuneSpec(space={"num_workers": [2, 8], "zero_stage": [1]}), 2, cpu)
+    assert [(c.config["num_workers"], c.status) for c in cands] == [(2, "candidate"), (8, "invalid")]

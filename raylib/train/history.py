@@ -89,10 +89,9 @@ class RunHistory:
         """One history from the fits of a run that was preempted and resumed."""
         if len(parts) == 1:
             return dataclasses.replace(parts[0], segments=[parts[0].segment()])
+        start, losses, times = _by_step(parts)
         return dataclasses.replace(
-            parts[-1], start_step=parts[0].start_step, preemptions=len(parts) - 1,
-            losses=[x for p in parts for x in p.losses],
-            step_times=[x for p in parts for x in p.step_times],
+            parts[-1], start_step=start, preemptions=len(parts) - 1, losses=losses, step_times=times,
             data_wait_s=sum(p.data_wait_s for p in parts),
             checkpoint_s=sum(p.checkpoint_s for p in parts),
             loop_s=sum(p.loop_s for p in parts), evals=[e for p in parts for e in p.evals],
@@ -100,6 +99,23 @@ class RunHistory:
             telemetry=[t for p in parts for t in p.telemetry or []],
             stopped_by=next((p.stopped_by for p in reversed(parts) if p.stopped_by), None),
             segments=[p.segment() for p in parts])
+
+
+def _by_step(parts: list[RunHistory]) -> tuple[int, list[float], list[float]]:
+    """(first step, losses, step times) of the fits laid end to end by their steps: a fit that
+    resumed before the previous one's end replaces the steps it ran again; one that resumed after
+    it (its fit restarted its workers from a later checkpoint: the attempt before reported
+    nothing) starts the record anew, so that losses[i] is always step start + i + 1."""
+    start, losses, times = parts[0].start_step, list(parts[0].losses), list(parts[0].step_times)
+    for p in parts[1:]:
+        keep = p.start_step - start
+        if keep < 0 or keep > len(losses):  # a gap: the steps between were never reported
+            start, losses, times = p.start_step, [], []
+        else:
+            del losses[keep:], times[keep:]
+        losses += p.losses
+        times += p.step_times
+    return start, losses, times
 
 
 def _sum_by_rank(fits: list[list[dict[str, float]] | None]) -> list[dict[str, float]] | None:

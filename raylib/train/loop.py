@@ -112,8 +112,12 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
                                     engine.device, resized=resized)
         batches = iter(pipeline)
     else:
+        # a resume continues the epoch where the restored steps left it: this rank's equal split
+        # holds num_rows // dp rows an epoch (Ray Train splits with equal=True); which samples
+        # follow is Ray Data's streaming order, not the first run's
+        per_epoch = index.num_rows // layout.dp // micro
         batches = _batches(ray.train.get_dataset_shard("train"), micro, engine.device,
-                           spec.data.prefetch_batches)
+                           spec.data.prefetch_batches, skip=start * accum % per_epoch if per_epoch else 0)
     evaluator = Evaluator(task, index, spec.data.storage_options, rank=layout.dp_rank,
                           world_size=layout.dp, micro_batch=micro,
                           max_batches=spec.run.eval_batches, device=engine.device) \
@@ -533,8 +537,9 @@ def _checkpoint_due(spec, done: int) -> bool:
     return (every and done % every == 0) or (spec.checkpoint.at_end and done == spec.run.steps)
 
 
-def _batches(shard, micro_batch: int, device, prefetch: int) -> Iterator[dict[str, Any]]:
-    """Endless micro-batches: epoch after epoch of this rank's split of the dataset."""
+def _batches(shard, micro_batch: int, device, prefetch: int, skip: int = 0) -> Iterator[dict[str, Any]]:
+    """Endless micro-batches: epoch after epoch of this rank's split of the dataset, the first
+    `skip` of them left out (a resume)."""
     import torch
 
     while True:
@@ -544,6 +549,9 @@ def _batches(shard, micro_batch: int, device, prefetch: int) -> Iterator[dict[st
             device=device,
         ):
             seen += 1
+            if skip:
+                skip -= 1
+                continue
             yield batch
         if seen == 0:
             raise RuntimeError(

@@ -86,3 +86,19 @@ def test_pipeline_evaluation_without_a_whole_micro_batch_is_a_clear_error():
     with pytest.raises(RuntimeError, match=r"whole micro-batches of 4 rows.*1 shorter batch"):
         loop._pipe_eval(engine, evaluator, spec)
     assert engine.training
+
+
+def test_a_ray_data_resume_skips_the_micro_batches_its_epoch_already_read():
+    """_batches over a rank's split: the first `skip` micro-batches of the first epoch are left
+    out, later epochs are whole. (A stand-in for Ray Data's DataIterator: only its
+    iter_torch_batches, returning numbered batches, is needed to follow the loop's counting.)"""
+    from itertools import islice
+
+    from raylib.train.loop import _batches
+
+    class Split:
+        def iter_torch_batches(self, **_):
+            return iter(range(5))  # an epoch of 5 micro-batches
+
+    got = list(islice(_batches(Split(), micro_batch=4, device="cpu", prefetch=0, skip=3), 7))
+    assert got == [3, 4, 0, 1, 2, 3, 4]

@@ -78,10 +78,6 @@ def test_export_round_trip_reproduces_the_engines_logits(name, tiny_dataset, tmp
         logits = model(**probe["inputs"]).logits
     assert logits.dtype == torch.float32 and logits.shape == probe["logits"].shape
     torch.testing.assert_close(logits, probe["logits"], atol=1e-5, rtol=0)
-    # training moved the weights: the probe is not a fresh model's
-    fresh = auto.from_config(model.config).eval()
-    with torch.no_grad():
-        assert not torch.allclose(fresh(**probe["inputs"]).logits, probe["logits"], atol=1e-3)
 
     tok = transformers.AutoTokenizer.from_pretrained(out)
     index = read_index(tiny_dataset)
@@ -98,6 +94,7 @@ def test_export_round_trip_reproduces_the_engines_logits(name, tiny_dataset, tmp
     assert "Writing model shards" not in capsys.readouterr().err  # progress=False: a quiet console,
     assert transformers.utils.logging.is_progress_bar_enabled()  # and transformers' bars as they were
     assert json.loads((out / ex.PROVENANCE).read_text())["step"] == 2
+    # training moved the weights between steps 2 and the end: the exports differ
     earlier = auto.from_pretrained(out).eval()
     with torch.no_grad():
         assert not torch.allclose(earlier(**probe["inputs"]).logits, probe["logits"], atol=1e-5)

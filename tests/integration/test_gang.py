@@ -301,6 +301,10 @@ def test_deepspeed_run_placed_through_the_gang_scheduler_survives_a_preemption(
 
     assert s["preemptions"] == 1
     assert s["steps"] == 40 and s["start_step"] == 0 and len(s["loss_curve"]) == 40
+    # the second fit resumed where the first stopped, from exactly the parameters it ended with
+    first, resumed = s["segments"]
+    assert resumed["start_step"] == first["start_step"] + first["steps"] > 0, s["segments"]
+    assert resumed["restored_digest"] == first["end_digest"] is not None
     assert s["param_digests_agree"] and s["parallelism"] == {"dp": 1, "tp": 2, "pp": 1}
     assert len(set(s["shard_digests"])) == 2  # each rank of the tp group trained its own shard
     # The workers of the resumed part ran exactly on the nodes the scheduler planned for it, the
@@ -465,6 +469,9 @@ def test_unhealthy_nodes_are_drained_and_the_run_resumes_on_healthy_ones(
     # nothing lost: every step trained, resumed once from the isolation checkpoint, replicas agree
     assert s["steps"] == 12 and len(s["loss_curve"]) == 12 and s["preemptions"] == 1
     assert s["param_digests_agree"]
+    first_fit, resumed = s["segments"]
+    assert resumed["start_step"] == first_fit["start_step"] + first_fit["steps"] > 0, s["segments"]
+    assert resumed["restored_digest"] == first_fit["end_digest"] is not None
     assert not {preflight_bad, first} & set(s["rank_nodes"])
     firings = s["telemetry"]["health"]["firings"]
     assert any(f["rule"] == "critical-xid" and f["node"] == first and f["reading"] == [79]

@@ -235,14 +235,15 @@ def test_fake_init_error_and_errors_are_pynvml_classes():
         fake.nvmlDeviceGetFanSpeed  # noqa: B018 - a function the fake lacks, as on old bindings
 
 
-def test_load_without_fake_does_not_raise(monkeypatch):
+def test_load_without_a_driver_is_none_and_reads_nothing(monkeypatch):
+    import os
+
+    if os.path.exists("/dev/nvidiactl"):
+        pytest.skip("an NVIDIA driver is here: load() initialises the real NVML")
     monkeypatch.delenv("RAYLIB_FAKE_NVML", raising=False)
-    nv = load()  # no driver here: None; on a GPU machine an initialised pynvml
-    assert nv is None or hasattr(nv, "nvmlDeviceGetCount")
-    with NvmlBackend(nv) if nv is not None else NvmlBackend() as b:
-        assert isinstance(b.read(), list)
-    if nv is not None:
-        nv.nvmlShutdown()
+    assert load() is None  # pynvml cannot initialise without the driver: no exception escapes
+    with NvmlBackend() as b:
+        assert b.read() == []
 
 
 def test_close_is_idempotent_and_balances_init():

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raylib.ops import dispatch
+from raylib.ops.cross_entropy import _reduce_items
 
 # activation names (transformers' ACT2FN keys) -> torch's gelu `approximate`
 _GELU = {"gelu": "none", "gelu_python": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh",
@@ -91,17 +92,20 @@ class RMSNorm(nn.Module):
 
 
 class LinearCrossEntropyHead(nn.Module):
-    """The LM head's projection. Called with labels it returns the mean cross-entropy from the
-    fused op (the logits never exist); without, the logits (evaluation, generation)."""
+    """The LM head's projection. Called with labels it returns the cross-entropy from the fused op
+    (the logits never exist): the mean over the labelled rows, or their sum / num_items_in_batch
+    when given (as HF's loss); without labels, the logits (evaluation, generation)."""
 
     def __init__(self, original: nn.Linear, fn):
         super().__init__()
         self.weight, self.bias, self.fn = original.weight, original.bias, fn
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
+                num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         if labels is None:
             return F.linear(hidden, self.weight, self.bias)
-        return self.fn(hidden.reshape(-1, hidden.shape[-1]), self.weight, self.bias, labels.reshape(-1), -100)
+        return _reduce_items(hidden.reshape(-1, hidden.shape[-1]), self.weight, self.bias, labels.reshape(-1),
+                             -100, num_items_in_batch, self.fn)
 
 
 def _bert_output_forward(self, hidden_states, input_tensor):
@@ -136,12 +140,13 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, labels=None, *
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     kwargs.pop("use_cache", None)
-    kwargs.pop("num_items_in_batch", None)
+    # HF's trainer passes the accumulation window's token count: the loss is then sum / that count
+    num_items = kwargs.pop("num_items_in_batch", None)
     outputs = self.base_model(input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)
     hidden = outputs[0]
     # transformers' ForCausalLMLoss: position t predicts token t+1; the last position nothing
     shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
-    loss = self.lm_head(hidden, shifted)
+    loss = self.lm_head(hidden, shifted, num_items)
     return CausalLMOutputWithPast(loss=loss, logits=None)
 
 
@@ -175,12 +180,21 @@ class KernelPatch:
         return out + [f"{op}: not patched ({why})" for op, why in r["unpatched"].items()]
 
     # helpers used while patching
-    def swap(self, parent: nn.Module, name: str, new: nn.Module, op: str) -> None:
+    def swap(self, parent: nn.Module, name: str, new: nn.Module, op: str) -> bool:
+        """`new` in place of parent.<name>, unless the old module owns parameters `new` would drop
+        (an adapter's, say): then it stays, with a note, and False."""
         old = getattr(parent, name)
+        kept = {id(p) for p in new.parameters()}
+        dropped = [n for n, p in old.named_parameters() if id(p) not in kept]
+        if dropped:
+            self.notes.setdefault(op, f"{type(parent).__name__}.{name} ({type(old).__name__}) also holds "
+                                      f"{', '.join(dropped[:3])}, which {type(new).__name__} would drop")
+            return False
         new.train(old.training)
         setattr(parent, name, new)
         self._undo.append(lambda: setattr(parent, name, old))
         self.counts[op] += 1
+        return True
 
     def forward(self, module: nn.Module, fn, op: str | None = None) -> None:
         module._raylib_original_forward = module.forward
@@ -221,19 +235,19 @@ def patch_model(model: nn.Module, mode: str, device_type: str = "cpu", dtype: to
     tp_note = f"tensor_parallel={tensor_parallel}: DeepSpeed AutoTP shards this projection"
     for module in list(model.modules()):
         kind = type(module).__name__
-        if kind == "BertIntermediate" and isinstance(module.dense, nn.Linear):
-            _bias_gelu(patch, module, "dense", model.config.hidden_act, False, choice, tensor_parallel,
-                       tp_note)
+        if kind == "BertIntermediate":
+            _bias_gelu(patch, module, "dense", "intermediate_act_fn", model.config.hidden_act, choice,
+                       tensor_parallel, tp_note)
         elif kind == "GPT2MLP":
-            _bias_gelu(patch, module, "c_fc", model.config.activation_function, True, choice,
+            _bias_gelu(patch, module, "c_fc", "act", model.config.activation_function, choice,
                        tensor_parallel, tp_note)
             patch.notes.setdefault("residual_layer_norm", "GPT-2 is pre-LN: its residual adds sit in "
                                    "GPT2Block.forward, the LayerNorms stay torch's (one kernel each)")
-        elif kind in ("BertSelfOutput", "BertOutput") and isinstance(module.LayerNorm, nn.LayerNorm):
-            patch.swap(module, "LayerNorm", ResidualLayerNorm(module.LayerNorm, module.dropout.p,
-                                                              choice("residual_layer_norm").fn),
-                       "residual_layer_norm")
-            patch.forward(module, _bert_output_forward)
+        elif kind in ("BertSelfOutput", "BertOutput") and _plain(module.LayerNorm, nn.LayerNorm):
+            if patch.swap(module, "LayerNorm", ResidualLayerNorm(module.LayerNorm, module.dropout.p,
+                                                                 choice("residual_layer_norm").fn),
+                          "residual_layer_norm"):
+                patch.forward(module, _bert_output_forward)
         for name, child in list(module.named_children()):
             if type(child).__name__.endswith("RMSNorm") and family in _RMS_FAMILIES \
                     and hasattr(child, "variance_epsilon"):
@@ -243,7 +257,14 @@ def patch_model(model: nn.Module, mode: str, device_type: str = "cpu", dtype: to
     return patch
 
 
-def _bias_gelu(patch, module, name, activation, transposed, choice, tp, tp_note) -> None:
+def _plain(module: nn.Module, *classes: type) -> bool:
+    """`module` is exactly one of `classes`, the layer transformers builds. peft's adapter layers
+    either wrap it (LoRA, IA3: their .weight and .bias are the base layer's) or subclass nn.Linear
+    (VB-LoRA, RandLoRA ...); a fused module built from .weight and .bias would drop the adapter."""
+    return type(module) in classes
+
+
+def _bias_gelu(patch, module, name, act_name, activation, choice, tp, tp_note) -> None:
     approximate = _GELU.get(activation) if isinstance(activation, str) else None
     if approximate is None:
         patch.notes.setdefault("bias_gelu", f"activation {activation!r} is not GeLU")
@@ -251,13 +272,20 @@ def _bias_gelu(patch, module, name, activation, transposed, choice, tp, tp_note)
     if tp > 1:
         patch.notes.setdefault("bias_gelu", tp_note)
         return
+    from transformers.pytorch_utils import Conv1D
+
     linear = getattr(module, name)
+    if not _plain(linear, nn.Linear, Conv1D):
+        patch.notes.setdefault("bias_gelu", f"{type(module).__name__}.{name} is a {type(linear).__module__}."
+                                            f"{type(linear).__name__} (a peft adapter's layer?), not a plain "
+                                            "Linear or Conv1D: left eager")
+        return
     if linear.bias is None:
         patch.notes.setdefault("bias_gelu", "the projection has no bias")
         return
-    act_name = "act" if transposed else "intermediate_act_fn"
-    fused = BiasGeLULinear(linear, approximate, choice("bias_gelu").fn, transposed)
-    patch.swap(module, name, fused, "bias_gelu")
+    fused = BiasGeLULinear(linear, approximate, choice("bias_gelu").fn, isinstance(linear, Conv1D))
+    if not patch.swap(module, name, fused, "bias_gelu"):
+        return
     old_act = getattr(module, act_name)
     setattr(module, act_name, nn.Identity())
     patch._undo.append(lambda: setattr(module, act_name, old_act))
@@ -283,15 +311,16 @@ def _lm_head(model, patch, choice, tp, tp_note) -> None:
     else:
         return
     head = getattr(parent, name)
-    if not isinstance(head, nn.Linear):
-        patch.notes["linear_cross_entropy"] = f"{kind}'s head is a {type(head).__name__}, not a Linear"
+    if not _plain(head, nn.Linear):
+        patch.notes["linear_cross_entropy"] = (f"{kind}'s head is a {type(head).__module__}."
+                                               f"{type(head).__name__}, not a plain Linear")
         return
     if tp > 1:
         patch.notes["linear_cross_entropy"] = tp_note
         return
-    patch.swap(parent, name, LinearCrossEntropyHead(head, choice("linear_cross_entropy").fn),
-               "linear_cross_entropy")
-    patch.forward(model, forward)
+    if patch.swap(parent, name, LinearCrossEntropyHead(head, choice("linear_cross_entropy").fn),
+                  "linear_cross_entropy"):
+        patch.forward(model, forward)
 
 
 def _attention(model, patch, device_type: str, dtype: torch.dtype) -> None:

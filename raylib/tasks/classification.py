@@ -32,9 +32,12 @@ class _Classification(Task):
 
     def _check_labels(self, labels: np.ndarray) -> np.ndarray:
         real = labels[labels != IGNORE_INDEX]
-        if real.size and (real.min() < 0 or real.max() >= self.num_labels):
-            raise ValueError(f"a label id {int(real.max())} is outside task.num_labels="
-                             f"{self.num_labels}; raise task.num_labels or fix the dataset's labels")
+        if real.size and real.min() < 0:
+            raise ValueError(f"label id {int(real.min())} is negative (-1 marks unlabelled examples, as in "
+                             "GLUE's test splits); use a labelled split or fix the dataset's labels")
+        if real.size and real.max() >= self.num_labels:
+            raise ValueError(f"label id {int(real.max())} is outside task.num_labels={self.num_labels}; "
+                             "raise task.num_labels or fix the dataset's labels")
         return labels
 
     def eval_counts(self, logits, loss, batch) -> list[float]:
@@ -46,7 +49,8 @@ class _Classification(Task):
         k = self.num_labels
         confusion = torch.bincount(labels[keep] * k + pred[keep], minlength=k * k)
         n = int(keep.sum())
-        return [float(loss) * n, float(n), *confusion.double().tolist()]
+        # no labelled example: the mean loss is NaN, and NaN * 0 would poison the summed evaluation
+        return [float(loss) * n if n else 0.0, float(n), *confusion.double().tolist()]
 
     def eval_metrics(self, counts):
         loss_sum, n, *flat = counts

@@ -48,7 +48,8 @@ class _LanguageModel(Task):
     def eval_counts(self, logits, loss, batch) -> list[float]:
         labels = batch["labels"]
         n = int((self._predicted(labels) != IGNORE_INDEX).sum())
-        return [float(loss) * n, float(n)]
+        # no labelled position: the mean loss is NaN, and NaN * 0 would poison the summed evaluation
+        return [float(loss) * n if n else 0.0, float(n)]
 
     @staticmethod
     def _predicted(labels):

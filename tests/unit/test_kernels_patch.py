@@ -163,6 +163,74 @@ def test_a_causal_lm_whose_loss_transforms_its_logits_keeps_its_own_head():
                        loss_and_grads(fused, {"input_ids": ids, "labels": ids})[0])
 
 
+def peft_lora(name: str):
+    import peft
+
+    if name == "gpt2 lora":  # peft's lora.Linear wraps the Conv1D and exposes its weight and bias
+        config = peft.LoraConfig(r=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True,
+                                 lora_dropout=0.0, init_lora_weights=False)
+        return gpt2, "clm", config, "c_fc"
+    # VB-LoRA's layer subclasses nn.Linear: an isinstance check alone let it be swapped
+    config = peft.VBLoRAConfig(r=4, target_modules=["dense"], vector_length=1, num_vectors=16)
+    return bert, "mlm", config, "intermediate.dense"
+
+
+@pytest.mark.parametrize("name", ["gpt2 lora", "bert vblora"])
+def test_a_peft_adapter_on_a_fused_projection_stays_and_trains(name):
+    """train/loop.py wraps the model with peft before patching: a fused module built from the
+    adapter layer's .weight and .bias would drop the adapter (never trained, other checkpoint keys)."""
+    import peft
+
+    build, kind, config, site = peft_lora(name)
+    torch.manual_seed(0)
+    eager = peft.get_peft_model(build(), config).train()
+    fused = copy.deepcopy(eager)
+    report = patch_model(fused.get_base_model(), "fused").report()
+    assert list(fused.state_dict()) == list(eager.state_dict())
+    inputs = batch(kind)
+    want_loss, want = loss_and_grads(eager, inputs)
+    got_loss, got = loss_and_grads(fused, inputs)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+    adapter = [n for n in want if site in n]
+    assert adapter and got.keys() == want.keys()
+    for n in adapter:
+        assert got[n].abs().sum() > 0, n
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-5, msg=n)
+    assert "bias_gelu" not in report["ops"] and "peft" in report["unpatched"]["bias_gelu"], report
+
+
+def test_a_swap_that_would_drop_a_parameter_is_refused():
+    """The last guard, whatever the site's type check missed: a module owning more than the fused
+    one takes over stays, with a note naming what it holds."""
+    from raylib.ops.patch import KernelPatch, ResidualLayerNorm
+
+    parent = nn.Module()
+    parent.norm = norm = nn.LayerNorm(4)
+    norm.scale = nn.Parameter(torch.ones(4))
+    patch = KernelPatch("fused")
+    assert not patch.swap(parent, "norm", ResidualLayerNorm(norm, 0.0, None), "residual_layer_norm")
+    assert parent.norm is norm and not patch.counts
+    assert "scale" in patch.notes["residual_layer_norm"]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("items", [17, torch.tensor(17)])
+def test_fused_causal_lm_divides_by_num_items_in_batch(family, items):
+    """HF's trainer passes the accumulation window's label count: the loss is sum / that count."""
+    build, kind = MODELS[family]
+    torch.manual_seed(0)
+    eager = build().train()
+    fused = copy.deepcopy(eager)
+    patch_model(fused, "fused")
+    inputs = {**batch(kind), "num_items_in_batch": items}
+    want_loss, want = loss_and_grads(eager, inputs)
+    got_loss, got = loss_and_grads(fused, inputs)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_kernels_setting_is_validated():
     from raylib import JobSpec
 

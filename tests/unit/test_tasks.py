@@ -136,6 +136,9 @@ def test_classification_batches_and_a_label_outside_num_labels():
     assert task.prepare(rows)["labels"].tolist() == [0, 1]
     with pytest.raises(ValueError, match="label id 2 is outside task.num_labels=2"):
         task.prepare({**rows, "label": np.array([0, 2])})
+    # GLUE's test splits carry -1: the message names that id, not the largest one
+    with pytest.raises(ValueError, match="label id -1 is negative.*unlabelled"):
+        task.prepare({**rows, "label": np.array([-1, 1])})
 
 
 def test_classification_metrics_from_summed_counts():
@@ -164,6 +167,23 @@ def test_token_classification_ignores_unlabelled_positions():
     logits = torch.tensor([[[9.0, 0], [0, 9.0], [0, 9.0], [9.0, 0]]])
     m = task.eval_metrics(task.eval_counts(logits, torch.tensor(1.0), {"labels": labels}))
     assert m["accuracy"] == pytest.approx(0.5)  # two labelled tokens, one right
+
+
+def test_a_batch_without_labels_adds_nothing_to_the_evaluation():
+    """Its mean loss is NaN (nothing to average): NaN * 0 labels would make the summed loss NaN."""
+    import torch
+
+    nan = torch.tensor(float("nan"))
+    _, lm = causal()
+    unlabelled = torch.tensor([[5, IGNORE_INDEX, IGNORE_INDEX]])  # the first label is never predicted
+    total = np.add(lm.eval_counts(None, torch.tensor(2.0), {"labels": torch.tensor([[5, 6, 7]])}),
+                   lm.eval_counts(None, nan, {"labels": unlabelled}))
+    assert total.tolist() == [4.0, 2.0] and lm.eval_metrics(total.tolist())["loss"] == 2.0
+    spec = JobSpec.from_dict({"task": {"type": "token_classification"}})
+    tokens = task_for(spec, index(kind="examples", columns=["input_ids", "attention_mask", "labels"],
+                                  labels=["O", "B"]))
+    counts = tokens.eval_counts(torch.zeros(1, 2, 2), nan, {"labels": torch.full((1, 2), IGNORE_INDEX)})
+    assert counts == [0.0] * 6
 
 
 def test_language_model_perplexity():

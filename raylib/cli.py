@@ -79,9 +79,14 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["storage", "serve"]:  # its own flags: raylib.data.s3server.main
+        from raylib.data.s3server import S3ServerError
         from raylib.data.s3server import main as serve
 
-        return serve(argv[2:])
+        try:
+            return serve(argv[2:])
+        except S3ServerError as e:
+            print(f"raylib: error: {e}", file=sys.stderr)
+            return 2
     args = parser.parse_args(argv)
     # raylib's own INFO lines say what is starting; other libraries' (botocore, matplotlib ...) are
     # shown from WARNING up
@@ -113,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raylib: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # a run that failed or stopped: its message says why and how to resume
+        from raylib.data.s3server import S3ServerError
+
+        if isinstance(e, S3ServerError):  # --embedded-s3 did not start: no weed, ports, its log
+            print(f"raylib: error: {e}", file=sys.stderr)
+            return 2
         from raylib.train.trainer import HealthStopped, RunFailed
 
         if not isinstance(e, (RunFailed, HealthStopped)):
@@ -135,8 +145,9 @@ def _run(args) -> int:
         try:
             check_model(spec)  # family, its config's fields, the task (the data's part: at run)
             peft = kernels = None
-            if "://" not in spec.data.path and is_built(spec.data.path):  # no network in a dry run
-                index = read_index(spec.data.path)
+            options = spec.data.storage_options
+            if "://" not in spec.data.path and is_built(spec.data.path, options):  # no network in a dry run
+                index = read_index(spec.data.path, options)
                 config = model_config(spec, index)
                 check_buildable(spec, index, config)
                 check_layout(spec, config)  # tp/pp against this model

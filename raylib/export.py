@@ -281,7 +281,7 @@ def _read_index(spec, run_dir: Path):
     from raylib.data.build import read_index
 
     try:
-        return read_index(spec.data.path)
+        return read_index(spec.data.path, spec.data.storage_options)
     except FileNotFoundError:
         how = f"`raylib data build {spec.data.manifest} --out {spec.data.path}`" if spec.data.manifest \
             else f"`raylib data build MANIFEST --out {spec.data.path}` with the manifest it was built from"

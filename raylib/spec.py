@@ -741,6 +741,14 @@ class RunSpec(_Section):
     record the digests in summary.json: proves replicas agree and a resume restored exactly.
     Costs a gather of the whole model (tests, debugging); off in production."""
 
+    @field_validator("output_dir")
+    @classmethod
+    def _local_output_dir(cls, v: str) -> str:
+        if "://" in v:  # Path() would quietly make s3://b/runs the local directory s3:/b/runs
+            raise ValueError("a URL, but run directories are local: give a directory path, and persist "
+                             "checkpoints to object storage with checkpoint.persist_url")
+        return v
+
 
 # The readings a health rule may test: a GPU's (raylib.telemetry.nvml.DeviceReading) and the
 # host's (raylib.telemetry.host.HostReading). List-valued ones (xid, throttle) take `any_of`.
@@ -948,6 +956,9 @@ class JobSpec(_Section):
     def _safe_name(cls, v: str) -> str:
         if not v or not all(c.isalnum() or c in "-_." for c in v):
             raise ValueError(f"name {v!r} must be non-empty and use only letters, digits, - _ .")
+        if not v.strip("."):  # "." and ".." would make the run directory output_dir or its parent
+            raise ValueError(f"name {v!r} is made only of dots, which names no run directory; give it "
+                             "a letter or digit, e.g. my-run")
         return v
 
     @model_validator(mode="after")
@@ -1015,7 +1026,8 @@ class JobSpec(_Section):
         data = load_yaml_mapping(path, "config file", error=SpecError)
         for item in overrides or []:
             apply_override(data, item)
-        sets = f" with --set {' '.join(overrides)}" if overrides else ""  # the key may come from either
+        # the key may come from either; values that may be credentials are not echoed
+        sets = f" with --set {' '.join(map(shown_override, overrides))}" if overrides else ""
         return cls.from_dict(data, source=f"{path}{sets}")
 
     def to_yaml(self) -> str:
@@ -1110,12 +1122,25 @@ def apply_override(data: dict[str, Any], item: str) -> None:
             node[p] = {}
         node = node[p]
         if not isinstance(node, dict):
-            raise SpecError(f"--set {item!r}: {p!r} is not a section")
+            raise SpecError(f"--set {shown_override(item)!r}: {p!r} is not a section")
     try:
         node[parts[-1]] = parse_yaml(raw)
     except yaml.YAMLError as e:
-        raise SpecError(f"--set {item!r}: the value is not valid YAML ({str(e).splitlines()[0]}); quote "
-                        f"it as a string: --set '{key}=\"{raw}\"'") from None
+        shown = shown_override(item)
+        raise SpecError(f"--set {shown!r}: the value is not valid YAML ({str(e).splitlines()[0]}); quote "
+                        f"it as a string: --set '{key}=\"{shown.split('=', 1)[1]}\"'") from None
+
+
+def shown_override(item: str) -> str:
+    """A `--set key=value` as error messages echo it: the value hidden (***) where it may be a
+    credential (a key under storage_options or named like one, or a mapping that mentions one)."""
+    key, sep, raw = item.partition("=")
+    words = (*SECRET_WORDS, "storage_options")
+    parts = [p.strip().lower() for p in key.split(".")]
+    nested = raw.lstrip()[:1] in ("{", "[") and any(w in raw.lower() for w in words)
+    if sep and (nested or any(w in p for p in parts for w in words)):
+        return f"{key}=***"
+    return item
 
 
 def _explain(e: ValidationError, source: str) -> str:

@@ -98,9 +98,19 @@ class SubmitResult:
 def default_working_dir() -> Path:
     """The checkout this raylib comes from (it holds jobs/), else the current directory."""
     here = Path(__file__).resolve().parents[1]
-    if (here / PACKAGE_MARKER).is_file():
-        return here
-    return Path.cwd()
+    return here if _is_checkout(here) else Path.cwd()
+
+
+def _is_checkout(path: Path) -> bool:
+    """A raylib source checkout: the package with its pyproject.toml beside it. The package
+    alone is not one: a regular install's parent is site-packages, and uploading that would make
+    every config "outside the working dir"."""
+    pyproject = path / "pyproject.toml"
+    try:
+        named = re.search(r'^name\s*=\s*"raylib', pyproject.read_text(), re.MULTILINE) is not None
+    except OSError:
+        return False
+    return named and (path / PACKAGE_MARKER).is_file()
 
 
 def build_submission(

@@ -405,8 +405,10 @@ class DatasetIndex:
         return f"{self.url.rstrip('/')}/{path}"
 
 
-def read_index(url: str) -> DatasetIndex:
-    fs, root = fsspec.core.url_to_fs(url)
+def read_index(url: str, storage_options: dict[str, Any] | None = None) -> DatasetIndex:
+    """The built dataset at `url`; `storage_options`: fsspec options for it (data.storage_options:
+    an s3:// endpoint, ...)."""
+    fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
     path = f"{root.rstrip('/')}/{INDEX}"
     if not fs.exists(path):
         raise FileNotFoundError(
@@ -434,8 +436,8 @@ def index_from_meta(url: str, meta: dict[str, Any]) -> DatasetIndex:
         validation=meta.get("validation", []), name=meta.get("name"), format=meta["format"])
 
 
-def is_built(url: str) -> bool:
-    fs, root = fsspec.core.url_to_fs(url)
+def is_built(url: str, storage_options: dict[str, Any] | None = None) -> bool:
+    fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
     return fs.exists(f"{root.rstrip('/')}/{INDEX}")
 
 
@@ -909,24 +911,28 @@ def _table(columns: dict[str, np.ndarray]) -> pa.Table:
 
 
 def build(
-    manifest: DatasetManifest, out_url: str, force: bool = False, progress: bool = True
+    manifest: DatasetManifest, out_url: str, force: bool = False, progress: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> DatasetIndex:
-    """Read (or generate), tokenize and shard the corpus described by `manifest` into `out_url`."""
+    """Read (or generate), tokenize and shard the corpus described by `manifest` into `out_url`
+    (`storage_options`: fsspec options for out_url, e.g. a job's data.storage_options; the
+    manifest's own are for its source and tokenizer)."""
     from tqdm.auto import tqdm
 
-    fs, root = fsspec.core.url_to_fs(out_url)
+    options = dict(storage_options or {})
+    fs, root = fsspec.core.url_to_fs(out_url, **options)
     root = root.rstrip("/")
     if fs.isfile(root):
         raise ValueError(f"--out {out_url} is a file; a dataset is a directory: give a new or built one")
     if fs.exists(f"{root}/{INDEX}") and not force:
-        changed = manifest_changes(out_url, manifest)
+        changed = manifest_changes(out_url, manifest, options)
         if changed:
             raise ValueError(
                 f"{out_url} holds dataset {manifest.name!r} built from a different manifest "
                 f"({'; '.join(changed[:4])}{'; ...' if len(changed) > 4 else ''}): rebuild it with "
                 "--force (its shards are replaced once the new ones are written), or give another --out")
         log.info("dataset already built at %s (use --force to rebuild)", out_url)
-        return read_index(out_url)
+        return read_index(out_url, options)
 
     # everything that can be wrong with the inputs is found before anything is written
     pretrained = load_pretrained(manifest.tokenizer) if manifest.tokenizer.type == "pretrained" else None
@@ -985,16 +991,17 @@ def build(
     _write_atomic(fs, f"{root}/{INDEX}", json.dumps(meta, indent=1).encode())
     log.info("built %s: %d shards, %d rows of %d tokens (validation: %d rows) at %s", manifest.name,
              len(shards), meta["num_rows"], manifest.seq_len, meta["validation_rows"], out_url)
-    return read_index(out_url)
+    return read_index(out_url, options)
 
 
 STAGE = ".building"  # where a build writes until it is whole
 
 
-def manifest_changes(url: str, manifest: DatasetManifest) -> list[str]:
+def manifest_changes(url: str, manifest: DatasetManifest,
+                     storage_options: dict[str, Any] | None = None) -> list[str]:
     """The fields ("seq_len: 8 -> 16") in which `manifest` differs from the one the dataset at
     `url` was built from; fields only one of them has (a newer raylib's) are not compared."""
-    fs, root = fsspec.core.url_to_fs(url)
+    fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
     try:
         built = json.loads(fs.cat_file(f"{root.rstrip('/')}/{INDEX}")).get("manifest")
     except FileNotFoundError:

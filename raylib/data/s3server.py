@@ -357,23 +357,56 @@ def embedded_s3(data_dir: str | os.PathLike, buckets: list[str] = ()) -> Iterato
     if not (saved["AWS_ACCESS_KEY_ID"] and saved["AWS_SECRET_ACCESS_KEY"]):
         os.environ["AWS_ACCESS_KEY_ID"] = "raylib" + secrets.token_hex(4)
         os.environ["AWS_SECRET_ACCESS_KEY"] = secrets.token_hex(20)
-    server = SeaweedFS(data_dir)
     try:
-        server.start()
-        os.environ.update(server.env())
-        fs = server.filesystem()
-        for b in buckets:
-            with contextlib.suppress(FileExistsError):
-                fs.mkdir(b)
-        log.info("embedded S3 (SeaweedFS) at %s, data in %s", server.endpoint, server.data_dir)
-        yield server
+        with _exit_on_term_or_hup():
+            server = SeaweedFS(data_dir)
+            try:
+                server.start()
+                os.environ.update(server.env())
+                fs = server.filesystem()
+                for b in buckets:
+                    with contextlib.suppress(FileExistsError):
+                        fs.mkdir(b)
+                log.info("embedded S3 (SeaweedFS) at %s, data in %s", server.endpoint, server.data_dir)
+                yield server
+            finally:
+                try:
+                    server.stop()
+                except BaseException:  # a second signal cut the grace short: weed goes now
+                    server.kill()
+                    raise
     finally:
-        server.stop()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _exit_on_term_or_hup() -> Iterator[None]:
+    """SIGTERM and SIGHUP (`timeout`, `kill`, a closed terminal) end Python without running finally
+    blocks or atexit, and weed, in a session of its own, would outlive this process holding its
+    data directory. Inside this block they raise SystemExit(128 + signal) in the main thread
+    instead, so the server is stopped on the way out; the previous handlers come back after.
+    (Off the main thread no handler can be set: nothing changes.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in _TERMINATING}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is on_signal:  # one set meanwhile stays (ray.init's: sys.exit too)
+                signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         ports = dict(zip(PORT_NAMES, [args.port, *others], strict=True))
     server = SeaweedFS(args.dir, host=args.host, ports=ports)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, *_TERMINATING):  # a closed terminal (SIGHUP) stops it too
         signal.signal(sig, lambda *_: stop.set())
     try:
         server.start()

@@ -30,11 +30,11 @@ def training_dataset(spec: JobSpec, index: DatasetIndex | None = None) -> ray.da
 
     from raylib.tasks import task_for
 
-    index = index or read_index(spec.data.path)
+    index = index or read_index(spec.data.path, spec.data.storage_options)
     task = task_for(spec, index)
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # the trainer shows progress
-    paths, filesystem = _arrow_paths(index)
+    paths, filesystem = _arrow_paths(index, spec.data.storage_options)
     # Ray Data's V2 parquet reader lists the files of every execution (every epoch) through a pool
     # of 32 footer-reading actors, spread over the cluster: for the few shards index.json already
     # lists, 32 processes started beside the training workers (its listing took 21 s of a 1-step run
@@ -66,14 +66,14 @@ def _quiet(name: str):
         logger.setLevel(level)
 
 
-def _arrow_paths(index: DatasetIndex):
+def _arrow_paths(index: DatasetIndex, storage_options: dict[str, Any] | None = None):
     """Shard paths plus the pyarrow filesystem to read them: local paths go straight to
-    pyarrow, any other fsspec URL (s3://...) is wrapped."""
+    pyarrow, any other fsspec URL (s3://... with data.storage_options) is wrapped."""
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
     from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-    fs, root = fsspec.core.url_to_fs(index.url)
+    fs, root = fsspec.core.url_to_fs(index.url, **dict(storage_options or {}))
     paths = [f"{root.rstrip('/')}/{s['path']}" for s in index.shards]
     return paths, None if isinstance(fs, LocalFileSystem) else PyFileSystem(FSSpecHandler(fs))
 

@@ -27,8 +27,8 @@ def dataset_index(spec):
     vocabulary): enough for the model's shape."""
     from raylib.data.build import DatasetIndex, is_built, read_index
 
-    if "://" not in spec.data.path and is_built(spec.data.path):
-        return read_index(spec.data.path)
+    if "://" not in spec.data.path and is_built(spec.data.path, spec.data.storage_options):
+        return read_index(spec.data.path, spec.data.storage_options)
     if spec.data.manifest is None:
         raise ValueError(f"no built dataset at {spec.data.path} reachable here and no data.manifest to read "
                          "seq_len and vocab_size from: build the data or name its manifest")

@@ -55,7 +55,6 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     import ray.train
 
     from raylib import preflight, runtime
-    from raylib.data.build import DatasetManifest, build, is_built, read_index
     from raylib.data.source import training_dataset
     from raylib.train.backend import ProcessGroupConfig
     from raylib.train.loop import worker_loop
@@ -72,14 +71,7 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
 
         decide_gpu(spec, {"GPU": torch.cuda.device_count()})
     preflight.check_storage(spec)  # an unreachable object store: one line, not botocore's retries
-    if not is_built(spec.data.path):
-        if spec.data.manifest is None:
-            raise FileNotFoundError(
-                f"data.path {spec.data.path!r} holds no built dataset and data.manifest is "
-                "unset; run `raylib data build MANIFEST --out URL` or set data.manifest"
-            )
-        build(DatasetManifest.load(spec.data.manifest), spec.data.path, progress=progress)
-    index = read_index(spec.data.path)
+    index = built_index(spec, progress)
     config, tiered = check_job(spec, index, address)
     peft_base = None
     if spec.peft is not None:  # peft's settings against the model and task, and the run's base
@@ -206,6 +198,23 @@ def run(spec: JobSpec, address: str | None = None, progress: bool = True,
     checkpoint_uri = result.checkpoint.path if result.checkpoint else None
     return summarize(spec, history, index, ds_config, checkpoint_uri,
                      wall_s=time.perf_counter() - wall0, run_dir=run_dir)
+
+
+def built_index(spec: JobSpec, progress: bool = True):
+    """The index of the dataset at data.path, built first from data.manifest when it is not there;
+    every access goes through data.storage_options (the endpoint preflight checked)."""
+    from raylib.data.build import DatasetManifest, build, is_built, read_index
+
+    options = spec.data.storage_options
+    if not is_built(spec.data.path, options):
+        if spec.data.manifest is None:
+            raise FileNotFoundError(
+                f"data.path {spec.data.path!r} holds no built dataset and data.manifest is "
+                "unset; run `raylib data build MANIFEST --out URL` or set data.manifest"
+            )
+        build(DatasetManifest.load(spec.data.manifest), spec.data.path, progress=progress,
+              storage_options=options)
+    return read_index(spec.data.path, options)
 
 
 def report_poll_s() -> float:

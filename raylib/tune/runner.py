@@ -179,12 +179,13 @@ def _scheduler(settings: TuneSpec):
 def _dataset_index(spec: JobSpec):
     from raylib.data.build import DatasetManifest, build, is_built, read_index
 
-    if not is_built(spec.data.path):
+    options = spec.data.storage_options
+    if not is_built(spec.data.path, options):
         if spec.data.manifest is None:
             raise FileNotFoundError(f"data.path {spec.data.path!r} holds no built dataset and "
                                     "data.manifest is unset; run `raylib data build` first")
-        build(DatasetManifest.load(spec.data.manifest), spec.data.path)
-    return read_index(spec.data.path)
+        build(DatasetManifest.load(spec.data.manifest), spec.data.path, storage_options=options)
+    return read_index(spec.data.path, options)
 
 
 def _portable(spec: JobSpec) -> dict[str, Any]:

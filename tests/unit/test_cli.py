@@ -227,6 +227,53 @@ def test_embedded_s3_refuses_a_remote_cluster_before_starting_anything(capsys):
     assert "--embedded-s3 serves S3 on this machine's loopback" in capsys.readouterr().err
 
 
+def test_an_embedded_s3_that_does_not_start_is_one_error_line(monkeypatch, capsys, tmp_path):
+    """S3ServerError is a RuntimeError: it was re-raised as a traceback."""
+    import raylib
+    from raylib.data import s3server
+
+    def fail(self, timeout=60.0):
+        raise s3server.S3ServerError(f"SeaweedFS exited with code 1; log {tmp_path}/weed.log:\nbind: in use")
+
+    monkeypatch.setattr(s3server, "find_weed", lambda: "/nonexistent/weed")
+    monkeypatch.setattr(s3server.SeaweedFS, "start", fail)
+    monkeypatch.setattr(raylib, "run", lambda *a, **kw: pytest.fail("ran without its S3 server"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    argv = ["run", str(REPO / "jobs" / "configs" / "tiny.yaml"), "--embedded-s3", str(tmp_path / "s3")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raylib: error: SeaweedFS exited with code 1; log ") and "Traceback" not in err
+
+    monkeypatch.setattr(s3server, "main", lambda argv: fail(None))  # `raylib storage serve` too
+    assert cli.main(["storage", "serve"]) == 2
+    assert capsys.readouterr().err.startswith("raylib: error: SeaweedFS exited with code 1")
+
+
+def test_submit_uploads_the_checkout_it_comes_from_not_site_packages(tmp_path, monkeypatch):
+    """A regular install: raylib/cli.py sits in site-packages, which is no checkout to upload
+    (every config would be "outside the working dir"): the current directory is used."""
+    from raylib import submit
+
+    site = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+    (site / "raylib").mkdir(parents=True)
+    (site / "raylib" / "cli.py").write_text("")
+    (site / "raylib" / "submit.py").write_text("")
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    monkeypatch.setattr(submit, "__file__", str(site / "raylib" / "submit.py"))
+    assert submit.default_working_dir() == project
+
+    checkout = tmp_path / "checkout"  # an editable install: the checkout itself
+    (checkout / "raylib").mkdir(parents=True)
+    (checkout / "raylib" / "cli.py").write_text("")
+    (checkout / "pyproject.toml").write_text('[project]\nname = "raylib-train"\n')
+    monkeypatch.setattr(submit, "__file__", str(checkout / "raylib" / "submit.py"))
+    assert submit.default_working_dir() == checkout
+    (checkout / "pyproject.toml").write_text('[project]\nname = "another-project"\n')
+    assert submit.default_working_dir() == project
+
+
 def test_a_failed_run_ends_in_one_error_line_that_submit_picks_up(monkeypatch, capsys):
     """RunFailed says how often the run failed and where it resumes: one line on stderr, exit 1,
     not a chained traceback; `raylib submit` shows that line from the job's logs."""

@@ -7,9 +7,11 @@ import json
 import math
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
 from raylib.data import build as build_mod
 from raylib.data.build import (
@@ -334,6 +336,70 @@ def test_a_build_without_index_is_never_read(tiny_dir, tmp_path):
     with pytest.raises(FileNotFoundError):
         read_index(str(partial))
     assert is_built(str(tiny_dir))
+
+
+# -- data.storage_options reach every access to data.path ------------------------------------------
+
+ENDPOINT = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:1"}}
+
+
+class EndpointOnlyFS(MemoryFileSystem):
+    """Stands in for an S3 endpoint that exists only through its options (the unit lane has no S3
+    server; tests/integration has one, but its builds take the endpoint from the environment):
+    a filesystem made without data.storage_options fails, as s3fs then goes to AWS's endpoint."""
+
+    protocol = "endpointonly"
+    store: dict = {}
+    pseudo_dirs = [""]
+
+    def __init__(self, *args, **storage_options):
+        if storage_options.get("client_kwargs") != ENDPOINT["client_kwargs"]:
+            raise ConnectionError(f"no endpoint in the options {storage_options}: this is AWS's")
+        super().__init__(*args, **storage_options)
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(str(path).removeprefix("endpointonly://"))
+
+
+@pytest.fixture
+def endpoint_only():
+    fsspec.register_implementation("endpointonly", EndpointOnlyFS, clobber=True)
+    EndpointOnlyFS.store.clear()
+    EndpointOnlyFS.pseudo_dirs[:] = [""]
+    yield "endpointonly://ds"
+    EndpointOnlyFS.clear_instance_cache()
+    EndpointOnlyFS.store.clear()
+
+
+def test_storage_options_reach_build_index_and_the_shard_reader(endpoint_only):
+    from raylib.data.source import _arrow_paths
+
+    url = endpoint_only
+    with pytest.raises(ConnectionError):
+        is_built(url)  # what every call did before: the endpoint was dropped
+    assert not is_built(url, ENDPOINT)
+    built = build(small_manifest(), url, progress=False, storage_options=ENDPOINT)
+    assert is_built(url, ENDPOINT) and read_index(url, ENDPOINT) == built
+    assert build(small_manifest(), url, progress=False, storage_options=ENDPOINT) == built  # already there
+    with pytest.raises(ValueError, match="built from a different manifest"):  # manifest_changes reads it
+        build(small_manifest(seed=9), url, progress=False, storage_options=ENDPOINT)
+    paths, arrow_fs = _arrow_paths(built, ENDPOINT)
+    assert pq.read_table(paths[0], filesystem=arrow_fs).num_rows == built.shards[0]["rows"]
+    assert built.load_tokenizer(ENDPOINT).get_vocab_size() == built.vocab_size
+
+
+def test_a_jobs_data_storage_options_reach_the_trainer_tune_and_export(endpoint_only):
+    from raylib.export import _read_index
+    from raylib.spec import JobSpec
+    from raylib.train.trainer import built_index
+    from raylib.tune.runner import _dataset_index
+
+    spec = JobSpec.from_dict({"data": {"path": endpoint_only, "manifest": str(TINY_MANIFEST),
+                                       "storage_options": ENDPOINT}})
+    index = built_index(spec, progress=False)  # built there first, as `raylib run` does
+    assert is_built(endpoint_only, ENDPOINT) and index.name == "ecommerce-tiny"
+    assert built_index(spec, progress=False) == index == _dataset_index(spec) == _read_index(spec, Path("r"))
 
 
 # -- pack_rows -----------------------------------------------------------------------------------

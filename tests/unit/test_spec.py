@@ -227,6 +227,22 @@ def test_bad_run_name(name):
 
 def test_good_run_name():
     assert JobSpec.from_dict({"name": "Run-1_a.b"}).name == "Run-1_a.b"
+    assert JobSpec.from_dict({"name": ".hidden-run"}).name == ".hidden-run"
+
+
+@pytest.mark.parametrize("name", [".", "..", "..."])
+def test_a_name_of_dots_only_is_refused(name):
+    """runs/.. is the project root: the run would write its checkpoints and logs there."""
+    msg = spec_error({"name": name})
+    assert "- name:" in msg and "made only of dots" in msg and "e.g. my-run" in msg
+
+
+def test_output_dir_is_local_not_a_url(tmp_path):
+    """Path() would quietly make s3://bucket/runs the local directory s3:/bucket/runs."""
+    msg = spec_error({"run": {"output_dir": "s3://bucket/runs"}})
+    assert "- run.output_dir: a URL, but run directories are local" in msg
+    assert "checkpoint.persist_url" in msg
+    assert JobSpec.from_dict({"run": {"output_dir": str(tmp_path)}}).run.output_dir == str(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -625,6 +641,26 @@ def test_a_url_whose_filesystem_cannot_load_here_is_refused_before_ray():
             JobSpec.from_dict({section: {key: "gcs://b/x"}})
         parsed = JobSpec.from_dict({section: {key: "s3://b/x"}})
         assert getattr(parsed, section).model_dump()[key] == "s3://b/x"
+
+
+@pytest.mark.parametrize("item", [
+    "data.storage_options.secret=TOPSECRET123",
+    "data.storage_options.client_kwargs.aws_session_token=TOPSECRET123",
+    "data.storage_options={secret: TOPSECRET123}",
+    "data={storage_options: {key: TOPSECRET123}}",
+    "checkpoint.storage_options.password=TOPSECRET123",
+    "data.storage_options.secret=[TOPSECRET123",  # not YAML: that error echoes it too
+])
+def test_a_credential_given_with_set_is_not_echoed(tmp_path, item):
+    """`raylib run` and `raylib submit` name the --set items in their errors (the key may come
+    from either): a value that may be a credential is shown as ***."""
+    p = write(tmp_path, "name: a\n")
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_yaml(p, overrides=["run.steps=2", item])
+    msg = str(info.value)
+    assert "TOPSECRET123" not in msg and f"{item.split('=', 1)[0]}=***" in msg
+    if "[" not in item:
+        assert "with --set run.steps=2 " in msg  # the others are still named as given
 
 
 def test_credentials_in_storage_options_are_refused_and_never_echoed():

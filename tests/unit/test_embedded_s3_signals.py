@@ -1,0 +1,97 @@
+"""`raylib run --embedded-s3`: its SeaweedFS never outlives the process, whatever ends it.
+
+No SeaweedFS is started here: `weed` is a stand-in script (a sleep in its own session, as weed
+runs) and the readiness probe is skipped; the real server is exercised by tests/integration."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from raylib.data import s3server
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+
+# `raylib run --embedded-s3` in small: the server is up while the run goes on, then a signal comes
+RUN = textwrap.dedent("""
+    import sys, time
+    from raylib.data import s3server
+
+    s3server.find_weed = lambda: sys.argv[2]
+    s3server.SeaweedFS._wait_ready = lambda self, deadline: None
+    s3server.SeaweedFS.filesystem = lambda self: None
+    with s3server.embedded_s3(sys.argv[1]) as server:
+        print(server.pid, flush=True)
+        time.sleep(60)
+""")
+
+
+@pytest.fixture
+def fake_weed(tmp_path) -> str:
+    weed = tmp_path / "weed"
+    weed.write_text("#!/bin/sh\nexec sleep 60\n")
+    weed.chmod(0o755)
+    return str(weed)
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a container's init may never reap an orphan)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_terminated_run_stops_its_weed(sig, tmp_path, fake_weed):
+    proc = subprocess.Popen([sys.executable, "-c", RUN, str(tmp_path / "s3"), fake_weed], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    weed = None
+    try:
+        line = proc.stdout.readline()
+        assert line.strip().isdigit(), f"the run did not start its server: {line!r}"
+        weed = int(line)
+        assert running(weed)
+        proc.send_signal(sig)  # `timeout`, `kill`, a closed terminal
+        assert proc.wait(timeout=30) == 128 + sig
+        assert not running(weed), f"weed (pid {weed}) outlived the run that started it"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if weed is not None and running(weed):
+            os.kill(weed, signal.SIGKILL)
+
+
+def test_the_handlers_and_environment_come_back_after_the_server(tmp_path, fake_weed, monkeypatch):
+    monkeypatch.setattr(s3server, "find_weed", lambda: fake_weed)
+    monkeypatch.setattr(s3server.SeaweedFS, "_wait_ready", lambda self, deadline: None)
+    monkeypatch.setattr(s3server.SeaweedFS, "filesystem", lambda self: None)
+    for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    with s3server.embedded_s3(tmp_path / "s3") as server:
+        assert all(signal.getsignal(sig) is not h for sig, h in before.items())
+        assert os.environ["AWS_ENDPOINT_URL"] == server.endpoint
+    assert not server.running()
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    assert "AWS_ENDPOINT_URL" not in os.environ and "AWS_ACCESS_KEY_ID" not in os.environ
+
+    def fail(self, timeout=60.0):
+        raise s3server.S3ServerError("SeaweedFS exited with code 1; log weed.log")
+
+    monkeypatch.setattr(s3server.SeaweedFS, "start", fail)
+    with pytest.raises(s3server.S3ServerError), s3server.embedded_s3(tmp_path / "s3"):
+        pass
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    assert "AWS_ACCESS_KEY_ID" not in os.environ  # the generated pair is not left behind

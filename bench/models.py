@@ -247,6 +247,7 @@ class Family:
             raise SystemExit(f"{name}: the run's ds_config.json differs from the one given to the "
                              f"bare script:\n{json.dumps(ds_config)}\n{json.dumps(self.ds_config)}")
         return {"tokens_per_s": s["tokens_per_s"], "samples_per_s": s["samples_per_s"],
+                "loop_tokens_per_s": s["loop_samples_per_s"] * s["seq_len"],
                 "step_time_s": s["step_time_s"], "peak_memory_bytes": s["peak_memory_bytes"],
                 "data_wait_fraction": s["data_wait_fraction"], "checkpoint_s": s["checkpoint_s"],
                 "initial_loss": s["initial_loss"], "final_loss": s["final_loss"],
@@ -292,7 +293,10 @@ class Family:
         if b["parameters"] != self.parameters:
             raise SystemExit(f"{name}: the bare model has {b['parameters']} parameters, raylib's "
                              f"{self.parameters}")
+        timed = b["step_times"][WARMUP_STEPS:]
+        looped = b["loop_s"] - sum(b["step_times"][:WARMUP_STEPS])  # as raylib's summary (no checkpoints)
         return {"tokens_per_s": b["tokens_per_s"], "samples_per_s": b["samples_per_s"],
+                "loop_tokens_per_s": b["global_batch"] * len(timed) / looped * b["seq_len"],
                 "step_time_s": b["step_time_all_s"], "step_time_timed_s": b["step_time_s"],
                 "peak_memory_bytes": b["peak_memory_bytes"],
                 "initial_loss": b["losses"][0], "final_loss": b["losses"][-1],
@@ -440,6 +444,7 @@ def main() -> None:
                 "seq_len": job.index.seq_len, "vocab_size": job.index.vocab_size,
                 "parameters": job.parameters, "model_config": job.model_fields,
                 "tokens_per_s": tps,
+                "loop_tokens_per_s": {v: med(v, "loop_tokens_per_s") for v in VARIANTS},
                 "tokens_per_s_ratio": tps["raylib"] / tps["bare"],
                 "tokens_per_s_ratio_vs_bare_jemalloc": tps["raylib"] / tps["bare_jemalloc"],
                 "tokens_per_s_ratio_per_round": paired,
@@ -458,12 +463,15 @@ def main() -> None:
                 "value_vs_bare_jemalloc": tps["raylib"] / tps["bare_jemalloc"],
                 "value_paired": statistics.median(paired["bare"]),
                 "value_paired_vs_bare_jemalloc": statistics.median(paired["bare_jemalloc"]),
+                "value_loop": med("raylib", "loop_tokens_per_s") / med("bare", "loop_tokens_per_s"),
                 "what": f"{args.presets[f]} ({job.spec.task.type}): raylib tokens/s / bare DeepSpeed "
                         "+ torchrun tokens/s, same model, data, DeepSpeed config and world size "
                         f"(median of {args.rounds} rounds); raylib at its defaults (CPU workers: "
                         "jemalloc), bare as a user runs it (glibc malloc); value_vs_bare_jemalloc: "
                         "against bare with the same jemalloc preload (the wrapper's own cost); "
-                        "value_paired*: the median over rounds of the ratio within each round"}
+                        "value_paired*: the median over rounds of the ratio within each round; "
+                        "value_loop: the same steps timed as each loop runs them (per-step logging, "
+                        "reports and telemetry outside the step counted; checkpoints not)"}
         print(json.dumps({
             "benchmark": "models",
             "targets": targets,

@@ -114,6 +114,10 @@ def summarize(spec, history: RunHistory, index, ds_config: dict[str, Any],
     batch = history.global_batch
     samples_per_s = batch * len(timed) / sum(timed) if timed else None
     loop_s = history.loop_s
+    # the same steps timed as the loop runs them: its per-step work outside the step (logging,
+    # reports, telemetry) counted too, checkpoint blocking and evaluation not
+    looped = loop_s - history.checkpoint_s - sum(times[:len(times) - len(timed)])
+    loop_samples_per_s = batch * len(timed) / looped if timed and looped > 0 else None
     digests = history.param_digests
     summary = {
         "name": spec.name,
@@ -133,6 +137,7 @@ def summarize(spec, history: RunHistory, index, ds_config: dict[str, Any],
         "final_loss": losses[-1] if losses else None,
         "samples_per_s": samples_per_s,
         "tokens_per_s": samples_per_s * index.seq_len if samples_per_s else None,
+        "loop_samples_per_s": loop_samples_per_s,
         "step_time_s": statistics.median(times) if times else None,
         "data_wait_fraction": history.data_wait_s / loop_s if loop_s > 0 else 0.0,
         "checkpoint_s": history.checkpoint_s,

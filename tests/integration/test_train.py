@@ -281,7 +281,7 @@ def test_workers_that_cannot_start_end_in_one_error_naming_what_holds_the_cpus(
         remove_placement_group(squatter)
     message = str(ei.value)
     assert f"failed after {STARTUP_FAILURE_LIMIT + 1} attempts to start its worker group" in message
-    assert "2 workers x 1 CPU could not be placed" in message
+    assert "2 workers x (1 CPU) could not be placed" in message
     assert f"placement group squatter holds {total - 1:g} CPU for job" in message and "running" in message
     assert f"1 of {total:g} CPU available" in message
 

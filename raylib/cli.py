@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     p_build.add_argument("manifest", help="dataset manifest YAML (see datasets/)")
     p_build.add_argument("--out", required=True, help="fsspec URL to write to (dir or s3://...)")
     p_build.add_argument("--force", action="store_true", help="rebuild even if already built")
+    p_build.add_argument("--storage-option", dest="storage_options", action="append", default=[],
+                         metavar="KEY=VALUE", help="an fsspec option for --out, as a job's "
+                         "data.storage_options: dots nest, the value is YAML, e.g. "
+                         "client_kwargs.endpoint_url=http://host:8333 (credentials: the environment)")
 
     from raylib import doctor, submit  # light modules: Ray and friends are imported when used
     from raylib import export as export_command
@@ -338,12 +342,46 @@ def _show_shared(spec, topology, args, queue, job) -> int:
 def _data_build(args) -> int:
     from raylib.data.build import DatasetManifest, build
 
-    index = build(DatasetManifest.load(args.manifest), args.out, force=args.force)
+    index = build(DatasetManifest.load(args.manifest), args.out, force=args.force,
+                  storage_options=storage_options_of(args.storage_options))
     labels = f", labels {index.label_names}" if index.label_names else ""
     print(f"{index.kind}: {len(index.shards)} shards, {index.num_rows} rows of {index.seq_len} tokens "
           f"(validation: {index.num_validation_rows} rows), vocabulary {index.vocab_size}{labels}: "
           f"{args.out}")
     return 0
+
+
+def storage_options_of(items: list[str]) -> dict:
+    """`--storage-option KEY=VALUE`s as fsspec options: dots nest (client_kwargs.endpoint_url=URL),
+    values are read as YAML (as --set's). Errors name the key, never the value; credentials are
+    refused as in a job spec (they would stay in shell history and the process list)."""
+    import yaml
+
+    from raylib.fileio import parse_yaml
+    from raylib.spec import no_credentials
+
+    options: dict = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        *path, leaf = key.strip().split(".")
+        if not sep or "" in (*path, leaf):
+            raise ValueError("--storage-option: expected KEY=VALUE, e.g. "
+                             "client_kwargs.endpoint_url=http://host:8333")
+        node = options
+        for p in path:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--storage-option {key}: {p!r} is already set to a value, not options")
+        try:
+            node[leaf] = parse_yaml(raw)
+        except yaml.YAMLError:
+            raise ValueError(f"--storage-option {key}: the value is not valid YAML; quote it") from None
+    try:
+        return no_credentials(options)
+    except ValueError as e:  # its message names the key only
+        raise ValueError(f"--storage-option {str(e).split(': ', 1)[0]}: credentials are not taken from "
+                         "the command line; set them in the environment (AWS_ACCESS_KEY_ID, "
+                         "AWS_SECRET_ACCESS_KEY)") from None
 
 
 def job_main(argv: list[str] | None, default_config: str, description: str) -> int:

@@ -12,10 +12,11 @@ it cannot follow a per-rank plan in which a shard is in the hot tier only for th
 plan gives it; the un-tiered path (`data.source`) still reads through Ray Data.
 
 Exact resume: the sequence is deterministic and row counts per shard are in index.json, so the
-number of rows a rank has consumed (steps x accumulation x micro-batch) locates the next unseen
-sample (shard position, row) without any saved iterator state; the state saved in checkpoints
-is that row count, the positions skipped as corrupt (they gave no rows: not counted when
-locating), and a fingerprint of what defines the order, checked on resume.
+number of rows a rank has consumed locates the next unseen sample (shard position, row) without
+any saved iterator state; the state saved in checkpoints is that row count (as read, so a resume
+with another micro-batch size or accumulation continues at it), the positions skipped as corrupt
+(they gave no rows: not counted when locating), and a fingerprint of what defines the order,
+checked on resume.
 """
 
 from __future__ import annotations

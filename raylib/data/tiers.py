@@ -9,8 +9,8 @@ Layout of a cache tier directory D:
 
     D/[<build>/]<shard path>                  ready copies, verified against index.json's sha256
     D/[<build>/]<shard path>.partial-<pid>-<hex>  a copy being written; renamed into place when whole
-    D/.raylib-tier/ledger.json                {[<build>/]shard: {bytes, sha256, state, pid, last_use,
-                                              pins}}: every build's copies in D
+    D/.raylib-tier/ledger.json                {[<build>/]shard: {bytes, sha256, state, pid, started,
+                                              last_use, pins, pin_started}}: every build's copies in D
     D/.raylib-tier/lock                       flock(2)ed for every change to D
 
 `<build>` (TieredStore's `build`, e.g. the dataset's fingerprint) keeps datasets and rebuilds whose
@@ -28,13 +28,15 @@ Rules that hold across processes and threads:
   source copy in a cache tier) and raises `ShardCorrupt` (a `ChecksumError`) naming the shard and the tier.
 * Pins: a pinned copy (a reader is on it, or a prefetcher loaded it for an upcoming read) is never
   evicted. Pins and reservations of processes that died are dropped the next time the tier is
-  locked (the pid no longer exists), together with their partial files.
+  locked, together with their partial files. An owner is its pid and its start time (`started`,
+  `pin_started`: /proc/<pid>/stat's field 22): a pid reused by a later process has another start,
+  so the dead owner's entries go all the same (else a copy in progress would be locked for good).
+  Entries without a start time (older ledgers, no /proc) go once their pid no longer exists.
 * Eviction removes the name; a reader that already opened the file keeps reading it (POSIX).
   Directories it leaves empty go too (an old build's D/<build>/ with its last copy), never one
   a ledger entry lives under; opening a tier removes the empty ones no entry lives under.
 * The tiers are caches: copies are not fsynced. A process crash leaves nothing wrong behind; after
-  a machine crash (power loss), wipe the cache tier directories. A pid reused by a new process
-  may keep a dead process's pin alive until that process exits (only delays an eviction).
+  a machine crash (power loss), wipe the cache tier directories.
 * Locking is flock(2): Linux/POSIX, node-local directories (not NFS).
 
 The store does not decide *what* to evict beyond a default (least recently used): callers pass
@@ -278,16 +280,41 @@ class _Tier:
         return f"{self.spec.url.rstrip('/')}/{shard}" if self.origin else self.path(shard)
 
 
-def _alive(pid: int) -> bool:
+def _start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot, /proc/<pid>/stat's field 22); None when
+    it cannot be read (no such process, no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2:].split()[19])  # after "(comm)", which may hold spaces
+
+
+_STARTS: dict[int, int | None] = {}
+
+
+def _own_start() -> int | None:
+    """This process's start time (cached per pid: a forked child has its own)."""
+    pid = os.getpid()
+    if pid not in _STARTS:
+        _STARTS[pid] = _start_time(pid)
+    return _STARTS[pid]
+
+
+def _alive(pid: int, started: int | None = None) -> bool:
+    """Is the process that wrote a ledger entry still running: its pid exists and, where the entry
+    recorded a start time, has that one (another is a later process the pid was reused for)."""
     if pid == os.getpid():
-        return True
+        return started is None or started == _own_start()
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass  # another user's process
+    now = _start_time(pid) if started is not None else None
+    return now is None or now == started  # unreadable (hidepid, gone meanwhile): as the pid says
 
 
 def _unlink(path: str | None) -> None:
@@ -487,7 +514,8 @@ class TieredStore:
                             self._drop(t, led, v)
                         tmp = f"{t.path(name)}.partial-{os.getpid()}-{secrets.token_hex(4)}"
                         led[key] = {"bytes": info.bytes, "sha256": info.sha256, "state": "writing",
-                                     "pid": os.getpid(), "tmp": tmp, "last_use": time.time(), "pins": {}}
+                                     "pid": os.getpid(), "started": _own_start(), "tmp": tmp,
+                                     "last_use": time.time(), "pins": {}}
                         with self._events_lock:
                             self._events[(t.name, name)] = threading.Event()
                         break
@@ -587,6 +615,7 @@ class TieredStore:
                         e["pins"][me] -= 1
                     elif e is not None:
                         e["pins"].pop(me, None)
+                        e.get("pin_started", {}).pop(me, None)
 
     def stats(self) -> dict[str, Any]:
         """This process's counters: reads served per tier (`hits`), opens that needed a
@@ -681,15 +710,17 @@ class TieredStore:
         """Drop reservations and pins of processes that no longer exist (and their files), and
         unpinned copies of an older build of the dataset (same key, other sha256)."""
         for key, e in list(led.items()):
-            if e["state"] == "writing" and not _alive(e["pid"]):
+            if e["state"] == "writing" and not _alive(e["pid"], e.get("started")):
                 _unlink(e.get("tmp"))
                 _unlink(t.file(key))  # it may have been renamed just before the writer died
                 del led[key]
                 _prune(t, led, key)
                 continue
-            dead = [pid for pid in e["pins"] if not _alive(int(pid))]
+            started = e.get("pin_started", {})
+            dead = [pid for pid in e["pins"] if not _alive(int(pid), started.get(pid))]
             for pid in dead:
                 del e["pins"][pid]
+                started.pop(pid, None)
             info = self.shards.get(key[len(t.prefix):]) if key.startswith(t.prefix) else None
             if e["state"] == "ready" and not e["pins"] and info is not None and e["sha256"] != info.sha256:
                 _unlink(t.file(key))
@@ -842,6 +873,7 @@ def _sweep(t: _Tier, led: dict[str, dict]) -> None:
 def _pin(e: dict) -> None:
     me = str(os.getpid())
     e["pins"][me] = e["pins"].get(me, 0) + 1
+    e.setdefault("pin_started", {})[me] = _own_start()
 
 
 def _check_name(name: str) -> None:

@@ -337,18 +337,26 @@ def _mean_over_ranks(value, device):
 
 def _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start, state, device,
                     resized: bool = False):
-    """This rank's planned data path, positioned after the rows the restored steps consumed: its
-    data-parallel replica's (the ranks of a tp group read the same shards, through one cache).
+    """This rank's planned data path, positioned after the rows its checkpoint recorded it read:
+    its data-parallel replica's (the ranks of a tp group read the same shards, through one cache).
     An elastic job resized since the checkpoint deals the shards anew over its new ranks: each
     starts after its share of the global rows consumed so far (the sample count is kept, the
     exact samples of the rest of the epoch differ from a fixed-size run's)."""
     from raylib.data.pipeline import TieredPipeline
 
+    # The rows the checkpoint recorded, not the restored steps x this run's rows a step:
+    # micro_batch_size or gradient accumulation may have changed since. Computed only where
+    # nothing was recorded (a Ray Data run's checkpoint) or an elastic resize deals the data
+    # anew (the recorded positions are in the old ranks' orders; the global batch is kept, so
+    # start x rows a step is this rank's share of the rows consumed). A checkpoint of another
+    # order (seed, dataset, data-parallel size) is refused below, by its fingerprint.
+    recorded = {} if resized else state.get("data", {})
+    rows_done = int(recorded.get("rows_done", start * rows_per_step))
     pipeline = TieredPipeline(
         spec, index, task=task, rank=layout.dp_rank,
-        world_size=layout.dp, micro_batch=micro,
-        rows_needed=spec.run.steps * rows_per_step, rows_done=start * rows_per_step,
-        skipped=() if resized else state.get("data", {}).get("skipped", ()),  # resized: dealt anew
+        world_size=layout.dp, micro_batch=micro, rows_done=rows_done,
+        rows_needed=rows_done + max(0, spec.run.steps - start) * rows_per_step,
+        skipped=recorded.get("skipped", ()),
         local_ranks=max(1, ctx.get_local_world_size() // layout.tp), device=device,
         queue_batches=spec.data.prefetch_batches)
     saved = state.get("data", {}).get("order")

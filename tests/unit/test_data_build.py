@@ -514,3 +514,33 @@ def test_masker_does_not_modify_its_input(rows_and_index):
     batch = rows[:32].copy()
     MLMMasker(index, 0.5, seed=0)({"input_ids": batch})
     np.testing.assert_array_equal(batch, rows[:32])
+
+
+def test_data_build_writes_to_s3_through_storage_options_given_on_the_command_line(
+        seaweedfs, s3_bucket, tmp_path, monkeypatch, capsys):
+    """`raylib data build --out s3://... --storage-option client_kwargs.endpoint_url=...`: a real
+    S3 server (SeaweedFS) known by those options alone (credentials in the environment, no
+    AWS_ENDPOINT_URL); a credential given as an option is refused without being echoed."""
+    from raylib import cli
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    m = tmp_path / "m.yaml"
+    m.write_text("name: small\nseed: 1\nsize: 12KB\nshard_size: 6KB\nseq_len: 16\n"
+                 "vocab_size: 150\ntokenizer_sample: 8KB\n")
+    url = f"{s3_bucket.url}/small"
+    options = [f"--storage-option=client_kwargs.endpoint_url={seaweedfs.endpoint}",
+               # read as YAML: the int 2 (botocore fails comparing a string "2")
+               "--storage-option=config_kwargs.retries.max_attempts=2"]
+    assert cli.main(["data", "build", str(m), "--out", url, *options]) == 0, capsys.readouterr().err
+    index = read_index(url, {"client_kwargs": {"endpoint_url": seaweedfs.endpoint}})
+    assert capsys.readouterr().out.strip().endswith(f"{index.vocab_size}: {url}")
+    assert s3_bucket.filesystem().exists(f"{s3_bucket.name}/small/{INDEX}")
+
+    secret = "NotToBeEchoed1234"
+    assert cli.main(["data", "build", str(m), "--out", url, *options,
+                     f"--storage-option=client_kwargs.aws_secret_access_key={secret}"]) == 2
+    err = capsys.readouterr().err
+    assert "client_kwargs.aws_secret_access_key: credentials are not taken" in err and secret not in err
+    assert cli.main(["data", "build", str(m), "--out", url, f"--storage-option={secret}"]) == 2
+    err = capsys.readouterr().err
+    assert "expected KEY=VALUE" in err and secret not in err

@@ -193,3 +193,48 @@ def test_the_plan_holds_the_rows_needed_when_a_later_epoch_deals_the_rank_fewer(
     assert resumed.order_fingerprint() == fingerprint
     for a, b in zip(batches[15:], take(resumed, 5), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_resume_with_another_micro_batch_and_accumulation_continues_at_the_recorded_row(
+        tiny_dataset, tmp_path):
+    """The loop positions a resumed rank at the rows its checkpoint recorded (TieredPipeline.state),
+    not at the restored steps x the new run's rows a step: 5 steps of 2 x 4 rows, resumed with
+    3 x 2 rows a step, continues at row 40 (not 30) with the rows the first run would have read."""
+    from types import SimpleNamespace
+
+    from raylib.train.loop import _tiered_pipeline
+
+    index = read_index(tiny_dataset)
+    largest = max(s["bytes"] for s in index.shards)
+    spec = JobSpec.from_dict({
+        "data": {"path": tiny_dataset, "manifest": None,
+                 "tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": 2 * largest}]},
+        "run": {"steps": 10}, "scaling": {"num_workers": 2}})
+    ctx = SimpleNamespace(get_local_world_size=lambda: 2)
+    layout = SimpleNamespace(dp_rank=1, dp=2, tp=1)
+
+    def pipe(micro: int, accum: int, start: int, state: dict, resized: bool = False) -> TieredPipeline:
+        return _tiered_pipeline(spec, _Ids(), index, ctx, layout, micro, micro * accum, start, state,
+                                None, resized=resized)
+
+    def rows(p: TieredPipeline, batches: int) -> np.ndarray:
+        return np.concatenate([next(p)["input_ids"].numpy() for _ in range(batches)])
+
+    first = pipe(4, 2, 0, {})
+    try:
+        rows(first, 5 * 2)
+        saved = first.state()  # what a checkpoint after step 5 holds for this rank
+        reference = rows(first, 5)  # rows 40..59 of the uninterrupted stream
+    finally:
+        first.close()
+    assert saved["rows_done"] == 40
+    resumed = pipe(2, 3, 5, {"data": saved})
+    try:
+        np.testing.assert_array_equal(rows(resumed, 10), reference)
+        assert resumed.state()["rows_done"] == 60
+    finally:
+        resumed.close()
+    # an elastic resize deals the data anew: its position is the computed share, not a record
+    resized = pipe(2, 3, 5, {"data": saved}, resized=True)
+    resized.close()
+    assert resized.rows_done == 5 * 6 and resized.state()["skipped"] == []

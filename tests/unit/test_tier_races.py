@@ -357,3 +357,58 @@ def test_a_planned_hit_a_peer_evicted_makes_room_by_the_plans_next_uses(tmp_path
     assert served == ["s0.bin", "s1.bin", "s2.bin"]
     assert m["unplanned_misses"] == 1, "s2 was evicted although the plan still read it"
     assert set(store.resident("hot")) == {"s0.bin", "s1.bin", "s2.bin"}
+
+
+def _owned_ledger(tmp_path, hot: str, shards, owner: dict) -> tuple[TieredStore, str]:
+    """A store whose hot tier (directory `hot`) holds s0.bin as a copy in progress (with its
+    partial file) by `owner` ({"pid", "started"}) and a ready copy of s1.bin the owner pins."""
+    tier_list = [{"name": "hot", "url": str(tmp_path / hot), "capacity": 1 << 20},
+                 {"name": "cold", "url": str(tmp_path / "cold")}]
+    store = TieredStore(tier_list, shards)
+    store.promote("s1.bin", "hot")
+    t = store._cache("hot")
+    tmp = f"{t.path('s0.bin')}.partial-{owner['pid']}-feed"
+    with open(tmp, "wb") as f:
+        f.write(b"half")
+    with store._locked(t) as led:
+        info = shards["s0.bin"]
+        led["s0.bin"] = {"bytes": info.bytes, "sha256": info.sha256, "state": "writing", "tmp": tmp,
+                         "last_use": time.time(), "pins": {}, **owner}
+        led["s1.bin"].update(pins={str(owner["pid"]): 1}, pin_started={str(owner["pid"]): owner["started"]})
+    return store, tmp
+
+
+@pytest.mark.parametrize("pid", [os.getppid, os.getpid], ids=["another-live-process", "this-process"])
+def test_entries_of_a_dead_owner_whose_pid_was_reused_are_reclaimed(tmp_path, pid):
+    """A ledger entry's owner is its pid and start time: an entry whose pid now names a later
+    process (another one, or this one) is a dead owner's, reclaimed at the next lock; the same
+    pid with its own start time is a live owner, whose copy and pin stay."""
+    _, shards = _origin(tmp_path, os.urandom(4096))
+    (tmp_path / "cold" / "s1.bin").write_bytes(b := os.urandom(4096))
+    shards["s1.bin"] = ShardInfo("s1.bin", len(b), hashlib.sha256(b).hexdigest())
+    live = {"pid": pid(), "started": tiers._start_time(pid())}
+    assert live["started"] is not None, "Linux: /proc/<pid>/stat"
+
+    store, tmp = _owned_ledger(tmp_path, "hot-live", shards, live)
+    with pytest.raises(CopyInProgress):
+        store.promote("s0.bin", "hot", wait_s=0.2)  # the live owner's copy is left to it
+    assert os.path.exists(tmp) and not store.evict("s1.bin", "hot")  # and so is its pin
+
+    store, tmp = _owned_ledger(tmp_path, "hot", shards, {**live, "started": live["started"] - 1})
+    p = store.promote("s0.bin", "hot", wait_s=WAIT)  # not a wait for a copy nobody makes
+    assert p.source == "cold" and not os.path.exists(tmp)
+    assert store.evict("s1.bin", "hot"), "the dead owner's pin is dropped"
+
+
+def test_entries_without_a_start_time_are_the_pids_as_before(tmp_path):
+    """A ledger written before start times were recorded: its live pids keep their entries."""
+    _, shards = _origin(tmp_path, os.urandom(4096))
+    (tmp_path / "cold" / "s1.bin").write_bytes(b := os.urandom(4096))
+    shards["s1.bin"] = ShardInfo("s1.bin", len(b), hashlib.sha256(b).hexdigest())
+    store, tmp = _owned_ledger(tmp_path, "hot", shards, {"pid": os.getppid(), "started": None})
+    t = store._cache("hot")
+    with store._locked(t) as led:  # as an old ledger has them: no start fields at all
+        del led["s0.bin"]["started"], led["s1.bin"]["pin_started"]
+    with pytest.raises(CopyInProgress):
+        store.promote("s0.bin", "hot", wait_s=0.2)
+    assert os.path.exists(tmp) and not store.evict("s1.bin", "hot")

@@ -892,7 +892,8 @@ class PowerSpec(_Section):
     tune: bool = False
     """Zeus-style: at the start of the run step the limit down from the maximum, measure time and
     energy per step at each, and train on at the limit that minimises
-    eta * energy + (1 - eta) * max_power * time."""
+    eta * energy + (1 - eta) * max_power * time. A health rule's cap is a ceiling the sweep and the
+    pick never go above."""
     sweep_w: list[Annotated[float, Field(gt=0)]] | None = Field(None, min_length=1)
     """Limits to try, in watts (None: from the maximum down to the minimum in steps of step_w);
     a tuning run whose limits all lie outside the GPU's range stops with an error."""

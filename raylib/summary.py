@@ -65,6 +65,8 @@ class RunResult:
         tele = self.summary.get("telemetry")
         if tele and tele.get("energy"):
             rows.append(f"  {'energy':<{width}}  {_energy_line(tele['energy'])}")
+        if tele and (tele.get("power") or {}).get("tune"):
+            rows.append(f"  {'power':<{width}}  {_power_line(tele['power']['tune'])}")
         if tele and tele["health"]["firings"]:
             rows.append(f"  {'health':<{width}}  " + "; ".join(
                 f"{f['rule']} on {f['node'][:12]} {f['device']} -> {f['action']}"
@@ -78,6 +80,9 @@ class RunResult:
 def _utilisation_line(u: dict[str, Any]) -> str:
     mfu = f"MFU {u['mfu']:.1%} of {u['peak_flops_per_device'] / 1e9:.0f} GFLOP/s per device" \
         if u.get("mfu") else "MFU n/a"
+    if u.get("devices_by_fit"):  # an elastic run: MFU is over its time-weighted device count
+        mfu += (f" x {u['devices']:.3g} devices (time-weighted; resized: "
+                f"{', '.join(str(f['devices']) for f in u['devices_by_fit'])})")
     parts = ", ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in u.get("breakdown", {}).items()
                       if v >= 0.005)
     return f"{mfu}; loop: {parts}" if parts else mfu
@@ -89,6 +94,13 @@ def _energy_line(e: dict[str, Any]) -> str:
     if e.get("carbon_g") is not None:
         line += f", {e['carbon_g']:.2f} gCO2e"
     return line + (" - estimate" if e["estimate"] else "")
+
+
+def _power_line(t: dict[str, Any]) -> str:
+    line = f"power.tune picked {t['chosen_w']:g} W (eta {t['eta']:g})" if t.get("chosen_w") is not None \
+        else "power.tune: the run ended before the sweep did"
+    caps = ", ".join(f"rank {c['rank']} {c['device']} {c['cap_w']:g} W" for c in t.get("health_caps") or [])
+    return f"{line}; health rules capped (never raised above): {caps}" if caps else line
 
 
 def _checkpoint_line(c: dict[str, Any]) -> str:

@@ -11,27 +11,51 @@ from raylib.telemetry.energy import run_energy
 from raylib.train.utilisation import PARTS, fractions
 
 
-def _step_fits(history) -> list[tuple[int, int]]:
-    """Per step of history.step_times: (devices, global batch) of the fit that ran it. After an
-    elastic resize history.utilisation is the last fit's; history.segments has every fit's."""
+def _step_fits(history) -> list[tuple[int, int, int]]:
+    """Per step of history.step_times: (fit, devices, global batch) of the fit that ran it. The fits
+    are laid end to end by their steps as RunHistory.merge lays them (a fit resumed from an earlier
+    checkpoint ran the steps after it again: the later fit's count). A step no segment accounts for
+    is the last fit's (history.utilisation is the last fit's)."""
     u, segments = history.utilisation, history.segments
-    if len(segments) > 1 and sum(g["steps"] for g in segments) == len(history.step_times) \
-            and all(g["workers"] for g in segments):
-        return [(g["workers"], g["global_batch"]) for g in segments for _ in range(g["steps"])]
-    return [(u["devices"], history.global_batch)] * len(history.step_times)
+    last = (len(segments) - 1, u["devices"], history.global_batch)
+    ran: dict[int, tuple[int, int, int]] = {}
+    for i, g in enumerate(segments):
+        for step in range(g["start_step"], g["start_step"] + g["steps"]):
+            ran[step] = (i, g["workers"] or u["devices"], g["global_batch"])
+    return [ran.get(history.start_step + k, last) for k in range(len(history.step_times))]
 
 
-def _mfu(history, timed: list[float]) -> float | None:
+def _mfu(timed: list[float], fits: list[tuple[int, int, int]], u, global_batch: int) -> float | None:
     """The timed steps' model FLOPs over what their devices could have done meanwhile: each step at
     its own fit's devices and batch (a mean step time over fits of different sizes is not one)."""
+    flops_per_sample = u["flops_per_step"] / global_batch  # the last fit's step, its batch
+    flops = sum(flops_per_sample * batch for _, _, batch in fits)
+    capacity = sum(t * u["peak_per_device"] * devices for t, (_, devices, _) in zip(timed, fits, strict=True))
+    return flops / capacity if capacity else None
+
+
+def _devices(history, timed: list[float]) -> dict[str, Any]:
+    """`devices`: the device count MFU is over. After an elastic resize, the timed steps'
+    device-seconds over their seconds (MFU is then the achieved FLOP/s over the peak of that many
+    devices), with `devices_by_fit`: each fit's timed steps, devices and MFU."""
     u = history.utilisation
     if not timed or sum(timed) <= 0:
-        return None
+        return {"mfu": None, "devices": u["devices"]}
     fits = _step_fits(history)[len(history.step_times) - len(timed):]  # timed: the steps after warm-up
-    flops_per_sample = u["flops_per_step"] / history.global_batch  # the last fit's step, its batch
-    flops = sum(flops_per_sample * batch for _, batch in fits)
-    capacity = sum(t * u["peak_per_device"] * devices for t, (devices, _) in zip(timed, fits, strict=True))
-    return flops / capacity if capacity else None
+    out = {"mfu": _mfu(timed, fits, u, history.global_batch)}
+    counts = {devices for _, devices, _ in fits}
+    if len(counts) == 1:
+        return {**out, "devices": counts.pop()}
+    out["devices"] = sum(t * devices for t, (_, devices, _) in zip(timed, fits, strict=True)) / sum(timed)
+    by_fit: dict[int, tuple[list, list]] = {}
+    for t, f in zip(timed, fits, strict=True):
+        times, steps = by_fit.setdefault(f[0], ([], []))
+        times.append(t)
+        steps.append(f)
+    out["devices_by_fit"] = [
+        {"start_step": history.segments[i]["start_step"], "timed_steps": len(times), "devices": steps[0][1],
+         "mfu": _mfu(times, steps, u, history.global_batch)} for i, (times, steps) in sorted(by_fit.items())]
+    return out
 
 
 def utilisation_summary(history, timed: list[float]) -> dict[str, Any] | None:
@@ -40,10 +64,11 @@ def utilisation_summary(history, timed: list[float]) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = {}
     if u:
+        fit = _devices(history, timed)
         out.update(
-            mfu=_mfu(history, timed),
+            mfu=fit.pop("mfu"),
             model_flops_per_step=u["flops_per_step"], model_flops_per_token=u["flops_per_token"],
-            peak_flops_per_device=u["peak_per_device"], peak_source=u["peak_source"], devices=u["devices"],
+            peak_flops_per_device=u["peak_per_device"], peak_source=u["peak_source"], **fit,
             trainable_fraction=u["trainable_fraction"])
     if history.breakdown:
         r0 = history.breakdown[0]
@@ -78,6 +103,12 @@ def telemetry_summary(history, steps: int, tokens: int, spec) -> dict[str, Any] 
     firings = [f for r in ranks for f in r["firings"]]
     changes = [{"rank": r["rank"], **c} for r in ranks for c in r["power"]["changes"]]
     tune = next((r["power"]["tune"] for r in ranks if r["power"]["tune"]), None)
+    if tune:  # rank 0's pick (the job's), and every rank's GPUs a health cap held below it
+        caps = [{"rank": r["rank"], "device": d, "cap_w": w} for r in ranks if r["power"]["tune"]
+                for d, w in (r["power"]["tune"].get("health_caps_w") or {}).items()]
+        tune = {k: v for k, v in tune.items() if k != "health_caps_w"}
+        if caps:
+            tune["health_caps"] = caps
     return {
         "energy": run_energy([r["energy"] for r in ranks], steps, tokens, spec.telemetry),
         "devices": per_device,
@@ -111,7 +142,8 @@ def plot_timeline(history, path: Path, title: str) -> None:
         mfu_ax = steps_ax.twinx()
         per_sample = u["flops_per_step"] / history.global_batch / u["peak_per_device"]
         mfu_ax.plot(x, [100 * per_sample * batch / t / devices
-                        for t, (devices, batch) in zip(history.step_times, _step_fits(history), strict=True)],
+                        for t, (_, devices, batch) in zip(history.step_times, _step_fits(history),
+                                                          strict=True)],
                     color="C1", label="MFU")
         mfu_ax.set(ylabel="MFU %")
         mfu_ax.legend(loc="upper right", fontsize=8)

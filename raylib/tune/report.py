@@ -64,7 +64,7 @@ def _trial_row(result, config: dict[str, Any], cand: Candidate | None, tune: Tun
         row.update(status="infeasible", note=f"out of memory: {m.get('error', '')}")
     else:
         row.update(status="stopped", note=f"early-stopped at step {m.get('step')}")
-    if result.error is None:
+    if result.error is None and m.get("status") != "oom":  # out of memory: nothing measured ("-")
         for key in ("samples_per_s", "tokens_per_s", "usd_per_mtok", "eval_loss", "eval_accuracy"):
             if key in m:
                 row[key] = m[key]

@@ -10,6 +10,7 @@ Layout of the output directory (default runs/<name>-tune/):
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,9 +212,11 @@ class TrialLog(Callback):
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         m = trial.last_result or {}
+        value = m.get(self.metric)
+        status = m.get("status", f"early-stopped at step {m.get('step')}")
         log.info("trial %s %s: %s, %s=%s", trial.trial_id, _label(trial.config),
-                 m.get("status", f"early-stopped at step {m.get('step')}"), self.metric,
-                 f"{m[self.metric]:.4g}" if self.metric in m else "-")
+                 "out of memory" if status == "oom" else status, self.metric,
+                 f"{value:.4g}" if isinstance(value, (int, float)) and math.isfinite(value) else "-")
 
     def on_trial_error(self, iteration, trials, trial, **info):
         log.warning("trial %s %s failed (%d failure(s))", trial.trial_id, _label(trial.config),

@@ -96,7 +96,9 @@ class StrategySearcher(Searcher):
         if index is None:
             return
         score = None if error or not result or result.get(self.metric) is None else float(result[self.metric])
-        if score is not None and not math.isfinite(score):  # NaN, or the inf cost of a trial out of memory
+        # a trial out of memory measured nothing (whatever it reports): never the incumbent, nor
+        # a NaN or an infinite cost (no tokens)
+        if score is not None and (not math.isfinite(score) or result.get("status") == "oom"):
             score = None
         self.scores[index] = score
         if score is not None and (self.incumbent is None or self._clearly_better(score)):

@@ -9,6 +9,7 @@ cannot help), any other failure is raised for Tune to retry.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -48,13 +49,16 @@ def objective_metrics(samples_per_s: float, seq_len: int, world: int,
 
 def oom_result(error: BaseException, seq_len: int, world: int, price_per_device_hour: float | None,
                objective: str) -> dict[str, Any]:
-    """What a trial out of memory reports: every objective at its worst (no throughput, an infinite
-    cost or validation loss), so it ranks last. Tune's strict metric check ends the whole tuning
-    run on a result that lacks the objective's metric."""
+    """What a trial out of memory reports: every objective as NaN, measured by nothing. Tune's
+    strict metric check ends the whole tuning run on a result that lacks the objective's metric,
+    and a number would rank: 0 samples/s (or an infinite cost) is Tune's "Current best trial"
+    while no other trial has reported (0 samples/s is ResultGrid.get_best_result's too). Tune
+    skips NaN in both, raylib's search ignores the trial (StrategySearcher) and its table shows it
+    as infeasible, out of memory, with no figures (report.rows)."""
     out = {"step": 0, "status": "oom", "error": next(iter(str(error).splitlines()), "")[:200],
-           **objective_metrics(0.0, seq_len, world, price_per_device_hour)}
+           **dict.fromkeys(objective_metrics(0.0, seq_len, world, price_per_device_hour), math.nan)}
     if objective == "eval_loss":
-        out["eval_loss"] = float("inf")
+        out["eval_loss"] = math.nan
     return out
 
 

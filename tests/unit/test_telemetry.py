@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import fields
 from types import SimpleNamespace
@@ -21,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from raylib.spec import HW_SLOWDOWN, HealthRule, JobSpec, PowerSpec, SpecError, TelemetrySpec
-from raylib.summary import WARMUP_STEPS
+from raylib.summary import WARMUP_STEPS, _power_line, _utilisation_line
 from raylib.telemetry import energy as energy_mod
 from raylib.telemetry import health
 from raylib.telemetry import sampler as sampler_mod
@@ -478,7 +479,9 @@ def test_power_tuner_measures_each_limit_and_picks_the_least_zeus_cost(clock, et
     assert tuner.done
     assert [(r["limit_w"], r["time_s"], r["energy_j"]) for r in tuner.table] == [
         (700.0, 1.0, 700.0), (500.0, 1.125, 562.5), (300.0, 2.0, 600.0)]
-    assert calls == [("max", [1.0, 1.125, 2.0]), ("sum", [700.0, 562.5, 600.0]), ("sum", [700.0])]
+    # the times with each row's "a health cap made it stale" flag (none here): one collective
+    assert calls == [("max", [1.0, 1.125, 2.0, 0.0, 0.0, 0.0]), ("sum", [700.0, 562.5, 600.0]),
+                     ("sum", [700.0])]
     for r in tuner.table:
         assert (r["job_time_s"], r["job_energy_j"]) == (r["time_s"], 2 * r["energy_j"])
         assert r["cost"] == zeus_cost(2 * r["energy_j"], r["time_s"], eta, 1400.0)
@@ -563,6 +566,81 @@ def test_power_limit_w_is_set_and_restored_and_skipped_without_a_gpu(rank_env, m
     out = rt.finish()
     assert rt.gpu is None and out["power"]["skipped"] == "no NVML GPU on this rank: power limits need one"
     assert out["devices"] == [] and out["energy"]["gpu_j"] is None
+
+
+HOT = {"name": "hot", "metric": "temperature_c", "value": -5, "relative_to": "slowdown_temperature_c",
+       "action": "power_cap", "power_cap_w": 100}
+
+
+def run_sweep(rt, clock, step_s: dict[float, float], after_warmup=lambda: None) -> None:
+    """The loop's calls: warm-up, then each limit's one step (steps_per_limit 1), at that limit's speed."""
+    for step in range(1, WARMUP_STEPS + 1):
+        rt.step_done(step, 10.0)
+    after_warmup()
+    for limit in rt.tuner.limits:
+        clock.advance(step_s[limit])
+        rt.step_done(step + 1, step_s[limit])
+        step += 1
+
+
+def test_power_tune_never_raises_a_gpu_above_a_health_cap(rank_env, clock):
+    """The default-like hot rule caps gpu0 (fake NVML: temperature 88 of slowdown 90) at 600 - 100 =
+    500 W as the sampler starts; power.tune's sweep from 700 W and its pick (eta 0: the fastest)
+    stay at or under it (the tuner set 700 W straight over the cap, and later its pick)."""
+    spec = job([HOT], tune=True, step_w=100, steps_per_limit=1, eta=0.0)
+    rt = RankTelemetry(spec, rank=0, local_rank=0, node="node-a", on_gpu=False).start()
+    nv = rt.gpu.nvml
+    assert rt.power.limit(0) == 500.0 and rt.power.caps == {0: 500.0}  # the sweep's first limit is held
+    run_sweep(rt, clock, {700.0: 1.0, 600.0: 1.0, 500.0: 1.0, 400.0: 1.25, 300.0: 1.5, 200.0: 2.0})
+    assert rt.tuner.done and rt.tuner.chosen == 700.0 and rt.power.limit(0) == 500.0
+    assert max(mw for _, mw in nv.set_calls) == 500_000
+    table = rt.tuner.table
+    assert [r.get("held_at_w") for r in table] == [500.0, 500.0, None, None, None, None]
+    assert not any("excluded" in r for r in table)
+    out = rt.finish()
+    assert out["power"]["tune"]["health_caps_w"] == {"gpu0": 500.0}
+    why = "power.tune pick (eta 0); held at the health cap (asked 700 W)"
+    assert out["power"]["changes"][-1] == {"device": "gpu0", "limit_w": 500.0, "why": why}
+    h = RunHistory(start_step=0, global_batch=8, telemetry=[out])
+    tune = telemetry_summary(h, 8, 8, spec)["power"]["tune"]
+    assert tune["health_caps"] == [{"rank": 0, "device": "gpu0", "cap_w": 500.0}]
+    assert _power_line(tune) == ("power.tune picked 700 W (eta 0); health rules capped (never raised above): "
+                                 "rank 0 gpu0 500 W")
+
+
+def test_a_health_cap_during_the_sweep_leaves_out_what_was_measured_above_it(rank_env, clock, tmp_path):
+    """gpu0 turns hot (the fake NVML's script rewritten) while 700 W is measured: the rule caps it
+    at 600 W. 700 W was timed uncapped, which the job can no longer run, so it is left out of the
+    pick; the other rank (all_reduce) had a cap come during its 600 W measurement, so 600 W is out
+    as well: the fastest limit left is 500 W. (The tuner picked 700 W and set it over the cap.)"""
+    path = tmp_path / "nvml.json"
+
+    def temperature(c: int) -> None:
+        (tmp_path / "tmp.json").write_text(json.dumps(script(dict(GPU, temperature_c=c), node="node-a")))
+        os.replace(tmp_path / "tmp.json", path)
+
+    temperature(60)
+    calls = []
+
+    def all_reduce(values, op):  # another rank as fast, whose own 600 W row a cap made stale
+        calls.append((op, list(values)))
+        if op == "max":
+            theirs = values[:6] + [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+            return [max(a, b) for a, b in zip(values, theirs, strict=False)]
+        return [2 * v for v in values]
+
+    spec = job([HOT], tune=True, step_w=100, steps_per_limit=1, eta=0.0)
+    rt = RankTelemetry(spec, rank=0, local_rank=0, node="node-a", on_gpu=False).start(all_reduce=all_reduce)
+    nv = rt.gpu.nvml
+    step_s = {700.0: 0.8, 600.0: 0.9, 500.0: 1.0, 400.0: 1.25, 300.0: 1.5, 200.0: 2.0}
+    run_sweep(rt, clock, step_s, after_warmup=lambda: temperature(88))  # read as 700 W's measurement ends
+    capped_at = nv.set_calls.index((0, 600_000))
+    assert all(mw <= 600_000 for _, mw in nv.set_calls[capped_at:])
+    assert rt.tuner.chosen == 500.0 and rt.power.limit(0) == 500.0
+    assert rt.power.caps == {0: 600.0}
+    assert calls[0] == ("max", list(step_s.values()) + [1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    assert [r["limit_w"] for r in rt.tuner.table if "excluded" in r] == [700.0, 600.0]
+    rt.finish()
 
 
 def test_rank_devices(monkeypatch):
@@ -732,6 +810,32 @@ def test_mfu_of_an_elastic_run_weighs_each_fit_by_its_own_devices(tmp_path):
     assert utilisation_summary(h, timed=h.step_times[WARMUP_STEPS:])["mfu"] == pytest.approx(0.25)
     assert utilisation_summary(fits[0], timed=fits[0].step_times)["mfu"] == pytest.approx(0.25)
     plot_timeline(h, tmp_path / "timeline.png", "run")  # its MFU per step: each at its fit's devices
+
+
+def test_utilisation_devices_of_an_elastic_run_are_time_weighted_like_its_mfu():
+    """4 workers for 10 steps at 1 s, then (shrunk to 2, resumed from the checkpoint at step 8, so
+    steps 9-10 run again) 10 steps at 2 s: 25% MFU in each fit. `devices` was the last fit's 2 and
+    the overlap made every step count at 2 devices (MFU 31%); now it is the timed steps'
+    device-seconds over their seconds, MFU's own denominator, with each fit beside it."""
+    util = Utilisation(flops_per_token=4e12 / 1000, tokens_per_step=1000, devices=2, peak_per_device=4e12,
+                       peak_source="telemetry.peak_flops", trainable_fraction=1.0).to_dict()
+    fits = [RunHistory(start_step=start, global_batch=8, losses=[1.0] * 10, step_times=[step_s] * 10,
+                       rank_nodes=["n"] * workers, utilisation=dict(util, devices=workers))
+            for start, workers, step_s in ((0, 4, 1.0), (8, 2, 2.0))]
+    h = RunHistory.merge(fits)
+    assert len(h.step_times) == 18
+    timed = h.step_times[WARMUP_STEPS:]  # 6 steps on 4 devices (1 s), 10 on 2 (2 s)
+    u = utilisation_summary(h, timed=timed)
+    assert u["devices"] == pytest.approx((6 * 1.0 * 4 + 10 * 2.0 * 2) / 26)
+    assert u["mfu"] == pytest.approx(0.25)
+    flops = len(timed) * u["model_flops_per_step"]  # MFU = FLOPs / (seconds x peak x devices)
+    assert u["mfu"] == pytest.approx(flops / (sum(timed) * u["peak_flops_per_device"] * u["devices"]))
+    assert u["devices_by_fit"] == [
+        {"start_step": 0, "timed_steps": 6, "devices": 4, "mfu": pytest.approx(0.25)},
+        {"start_step": 8, "timed_steps": 10, "devices": 2, "mfu": pytest.approx(0.25)}]
+    assert "x 2.46 devices (time-weighted; resized: 4, 2)" in _utilisation_line(u)
+    same = utilisation_summary(fits[0], timed=fits[0].step_times)  # one fit: its count, as before
+    assert same["devices"] == 4 and "devices_by_fit" not in same
 
 
 def test_telemetry_summary_of_two_ranks():

@@ -140,8 +140,9 @@ def test_a_trial_out_of_memory_does_not_end_a_cost_search():
 @pytest.mark.parametrize("objective, price", [("eval_loss", None), ("throughput", None),
                                               ("cost_per_token", 2.0)])
 def test_a_trial_out_of_memory_passes_tunes_metric_check_and_ranks_last(objective, price):
-    """An out-of-memory trial reports the objective at its worst: Tune's strict metric check (run
-    here as the controller runs it, no cluster) ends the whole tuner.fit() on a result without it."""
+    """An out-of-memory trial reports the objective (NaN: nothing measured): Tune's strict metric
+    check (run here as the controller runs it, no cluster) ends the whole tuner.fit() on a result
+    without it."""
     from types import SimpleNamespace
 
     from ray.tune.execution.tune_controller import TuneController
@@ -158,10 +159,66 @@ def test_a_trial_out_of_memory_passes_tunes_metric_check_and_ranks_last(objectiv
                         objective)
     assert result["status"] == "oom" and result["error"] == "CUDA out of memory. Tried to allocate 2 GiB"
     TuneController._validate_result_metrics(controller, {**result, "trial_id": "t0", "done": True})
-    worst = {"max": 0.0, "min": math.inf}[settings.mode]
-    assert result[settings.metric] == worst
+    assert math.isnan(result[settings.metric])
     searcher.suggest("t0")
     searcher.on_trial_complete("t0", result)
+    assert searcher.incumbent is None
     assert searcher.suggest("t1") == {"micro_batch_size": 4}
     searcher.on_trial_complete("t1", {settings.metric: 1.0})
     assert searcher.incumbent == 1  # any trial that ran is better
+
+
+def test_an_out_of_memory_trial_is_never_the_best_so_far(tmp_path, caplog):
+    """Throughput: the first trial runs out of memory. Its 0 samples/s made it the search's
+    incumbent, Tune's "Current best trial" and ResultGrid's best until another trial finished,
+    and its row read 0 samples/s. Now it reports NaN, which Tune skips, and the search and the
+    table know it for what it is (Tune's own Trial and Result objects, no cluster)."""
+    import logging
+
+    from ray.tune import Result
+    from ray.tune.experiment import Trial
+    from ray.tune.experimental.output import _current_best_trial
+    from ray.tune.progress_reporter import CLIReporter
+
+    from raylib.tune.report import best, format_table, rows
+    from raylib.tune.runner import TrialLog
+    from raylib.tune.space import Candidate
+    from raylib.tune.trial import objective_metrics, oom_result
+
+    settings = TuneSpec()  # objective throughput: samples_per_s, max
+    metric, mode = settings.metric, settings.mode
+    configs = [{"micro_batch_size": 16}, {"micro_batch_size": 8}]
+    trials = [Trial("run_trial", config=c, stub=True) for c in configs]
+    searcher = StrategySearcher(configs, "coordinate", metric, mode)
+    assert searcher.suggest(trials[0].trial_id) == configs[0]
+    trials[0].update_last_result(oom_result(RuntimeError("CUDA out of memory."), 128, 2, None, "throughput"))
+    searcher.on_trial_complete(trials[0].trial_id, trials[0].last_result)
+    assert searcher.incumbent is None  # not the best so far, nor where the search looks next
+    assert _current_best_trial(trials, metric, mode) == (None, metric)  # Tune's progress line
+    assert CLIReporter(metric=metric, mode=mode)._current_best_trial(trials)[0] is None  # its older one
+    with caplog.at_level(logging.INFO, logger="raylib.tune.runner"):
+        TrialLog(settings).on_trial_complete(0, trials, trials[0])
+    assert caplog.text.rstrip().endswith("out of memory, samples_per_s=-")
+
+    def result(trial: Trial) -> Result:
+        return Result(metrics={**trial.last_result, "config": trial.config, "time_total_s": 3.0},
+                      checkpoint=None, error=None, path=str(tmp_path / trial.trial_id))
+
+    table = rows([Candidate(c) for c in configs], [result(trials[0])], settings)
+    assert best(table, settings) is None and metric not in table[0]
+    assert format_table(table).splitlines()[1].split()[:2] == [trials[0].trial_id, "infeasible"]
+    assert table[0]["note"] == "out of memory: CUDA out of memory."
+
+    assert searcher.suggest(trials[1].trial_id) == configs[1]  # a trial that runs is the best
+    trials[1].update_last_result({"step": 16, "status": "completed", "attempt": 1,
+                                  **objective_metrics(40.0, 128, 2, None)})
+    searcher.on_trial_complete(trials[1].trial_id, trials[1].last_result)
+    assert searcher.incumbent == 1 and _current_best_trial(trials, metric, mode)[0] is trials[1]
+    table = rows([Candidate(c) for c in configs], [result(t) for t in trials], settings)
+    assert best(table, settings)["trial"] == trials[1].trial_id
+    assert [r["status"] for r in table] == ["completed", "infeasible"]
+
+    legacy = StrategySearcher(configs, "coordinate", metric, mode)  # an "oom" status is enough
+    legacy.suggest("t0")
+    legacy.on_trial_complete("t0", {"status": "oom", metric: 0.0})
+    assert legacy.incumbent is None

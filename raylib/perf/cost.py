@@ -43,8 +43,18 @@ def predicted_prices(cost, cluster) -> tuple[float | None, str, float]:
     return None, "none stated (set cost.price_per_device_hour)", kwh
 
 
+def run_devices(summary: dict[str, Any]) -> float:
+    """The devices a run held over its wall time. An elastic run that resized held each fit's
+    workers for that fit: the wall time is shared out over the fits by their training loops' time
+    (the start-up and resize gaps between fits are not timed per fit)."""
+    fits = [g for g in summary.get("segments") or [] if g.get("workers") and g.get("loop_s")]
+    if len(fits) < 2 or len(fits) != len(summary["segments"]):
+        return summary["world_size"]
+    return sum(g["workers"] * g["loop_s"] for g in fits) / sum(g["loop_s"] for g in fits)
+
+
 def run_cost(spec, summary: dict[str, Any]) -> dict[str, Any]:
-    devices = summary["world_size"]
+    devices = run_devices(summary)
     device_hours = devices * summary["wall_s"] / 3600
     steps_run = summary["steps"] - summary["start_step"]
     tokens = steps_run * summary["global_batch_size"] * summary["seq_len"]
@@ -54,7 +64,8 @@ def run_cost(spec, summary: dict[str, Any]) -> dict[str, Any]:
     kwh = energy.get("facility_kwh", energy.get("kwh"))
     energy_cost = kwh * spec.cost.price_per_kwh if kwh is not None else None
     return {
-        "currency": spec.cost.currency, "device_hours": device_hours, "price_per_device_hour": price,
+        "currency": spec.cost.currency, "devices": devices, "device_hours": device_hours,
+        "price_per_device_hour": price,
         "price_source": source, "device_cost": cost, "energy_kwh": kwh,
         "energy_basis": ("facility (x PUE)" if "facility_kwh" in energy else "IT (no telemetry.pue)")
         if kwh is not None else None,

@@ -81,7 +81,8 @@ class RunHistory:
         """run.verify adds the parameters' digest as restored at its start and at its end: a resumed
         fit restored exactly what the previous one ended with when the two agree."""
         return {"start_step": self.start_step, "steps": len(self.losses), "workers": len(self.rank_nodes),
-                "global_batch": self.global_batch, "restored_digest": self.restored_param_digest,
+                "global_batch": self.global_batch, "loop_s": self.loop_s,
+                "restored_digest": self.restored_param_digest,
                 "end_digest": self.param_digests[0] if self.param_digests else None}
 
     @classmethod

@@ -36,6 +36,19 @@ def test_a_runs_cost_is_its_held_device_hours_and_its_facility_energy_is_reporte
     assert c["per_million_tokens"] == pytest.approx(3.0 / tokens * 1e6)
 
 
+def test_an_elastic_run_pays_for_each_fits_workers_not_the_last_fits_for_all_its_time():
+    spec = JobSpec.from_dict({"cost": {"price_per_device_hour": 3.0}})
+    # 4 workers for 3/4 of the loop's time, then 2 (world_size is the last fit's)
+    fits = [{"start_step": 0, "steps": 60, "workers": 4, "loop_s": 1200.0},
+            {"start_step": 50, "steps": 60, "workers": 2, "loop_s": 400.0}]
+    c = run_cost(spec, summary(segments=fits))
+    assert c["devices"] == pytest.approx(3.5)
+    assert c["device_hours"] == pytest.approx(3.5 * 0.5)
+    # a fit without its loop time (a summary from before) keeps the old reading
+    c = run_cost(spec, summary(segments=[{**fits[0], "loop_s": None}, fits[1]]))
+    assert c["devices"] == 2 and c["device_hours"] == pytest.approx(1.0)
+
+
 def test_the_catalogue_prices_a_catalogued_gpu_and_a_cpu_run_has_no_device_price():
     from raylib.perf.catalogue import accelerator
 

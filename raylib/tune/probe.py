@@ -50,7 +50,7 @@ class TrialProbe(WorkerGroupCallback, ReportCallback):
         self.settings = settings
         self._to_tune = TuneReportCallback()
         self._workers = None
-        self._eval_loss = float("inf")
+        self._eval_loss = float("nan")
         self._since: tuple[int, float] | None = None  # (step, time) of the first report after warm-up
         self._vouched = False  # a reported pointer vouched for a complete checkpoint
 
@@ -74,7 +74,8 @@ class TrialProbe(WorkerGroupCallback, ReportCallback):
                       **objective_metrics(samples_per_s, s.seq_len, s.world_size, s.price_per_device_hour)}
             if "eval_loss" in metrics[0]:
                 self._eval_loss = metrics[0]["eval_loss"]
-            # Tune wants the objective in every result: the latest validation loss (inf before any)
+            # Tune wants the objective in every result: the latest validation loss (NaN before any:
+            # Tune's best-trial lookups skip NaN, an infinity would show a trial as best)
             result["eval_loss"] = self._eval_loss
             self._to_tune.after_report(None, [result], training_report.checkpoint)
         if metrics[0].get("checkpoint_complete_step") is not None:

@@ -11,8 +11,15 @@ checkpoint to Ray Train ({run, step, world_size, persist_url, complete_step, res
 earlier}), so Ray Train's bookkeeping, get_checkpoint() and Tune keep working. The pointer is
 reported before the ranks' parts of `step` have reached their keepers, so it is only a hint:
 restore loads the newest step that is complete, whatever the pointer says. `complete_step` is
-the newest step every rank had handed over when the pointer was written (one MIN all-reduce per
-save; None before the first): the one the pointer vouches for. `resumed_from` ({run,
+the newest step every rank had handed over when the pointer was written (None before the first):
+the one the pointer vouches for. Each save agrees on it with one MIN all-reduce over the steps
+since the last agreed one, each rank saying which of them its keeper holds or persist_url has
+(not each rank's newest step: a rank that lost step s, and whose later handoff succeeded, would
+vouch for s). Each part's meta keeps the loop's client state with only its own rank's entry
+(data position, RNG), so a part's meta stays the same size at any world size (every rank's in
+every part made the keepers' inventories grow as its square); a restore gathers every rank's entry
+from the parts' metas (the inventory lists them; a persisted part's manifest has its own). Parts of
+older checkpoints, each carrying every rank's, load as saved. `resumed_from` ({run,
 persist_url, step}) is what this fit's latest restore loaded (carried over from the pointer when
 it loaded nothing), so a fit that fails before its own first snapshot is complete can resume
 from there again. `earlier` lists the run's earlier fits whose persisted steps this one may
@@ -171,7 +178,9 @@ class ObjectStoreCheckpointer:
         self._phases: dict[str, float] = {}
         self._copy: HostCopy | None = None  # the newest snapshot's host copy, until fenced
         self._unpersisted: int | None = None  # the newest snapshot's step if put without persistence
-        self._handed: int | None = None  # the newest step this rank's handoff settled (not lost)
+        self._saved: list[int] = []  # the newest steps snapshotted since `_agreed` (the same on every rank)
+        self._held: set[int] = set()  # of those, the ones whose part a keeper or persist_url has
+        self._agreed: int | None = None  # the newest step whose part every rank has handed over
         self._last_persist = time.monotonic()  # rank 0's: a duration cadence counts from the start
         self._resumed_from: dict[str, Any] | None = None  # what restore loaded (run, persist_url, step)
         self._earlier: list[str] = []  # earlier fits of this run whose persisted steps close() trims
@@ -238,7 +247,7 @@ class ObjectStoreCheckpointer:
             self._resumed_from = {"run": reader.run, "persist_url": reader.policy.persist_url,
                                   "step": found[0]}
             if reader is self.store:  # complete on every rank: pointers vouch for it, retention keeps it
-                self._handed = found[0]
+                self._agreed = found[0]
         else:  # nothing loaded: a restart must still find what this fit resumed from
             self._resumed_from = lineage
         if found is None and lineage is not None:
@@ -324,11 +333,12 @@ class ObjectStoreCheckpointer:
                 if other != self.rank:
                     sources.append(reader.fetch(step, other, directory, select, holders,
                                                 memory=memory).source)
-            return dict(own.meta.get("state") or {}), max(sources, key=SOURCES.index), False
-        # another layout: every old rank's files, for the universal conversion. The client
-        # state is returned as saved (the loop's {"ranks": [...]}, the same in every part).
+            metas = _every_rank_meta(reader, step, saved_world, holders, {self.rank: own.meta})
+            return _client_state(metas, saved_world), max(sources, key=SOURCES.index), False
+        # another layout: every old rank's files, for the universal conversion
         parts = [reader.fetch(step, r, directory, holders=holders) for r in range(saved_world)]
-        return dict(parts[0].meta.get("state") or {}), max((p.source for p in parts), key=SOURCES.index), True
+        return (_client_state(dict(enumerate(p.meta for p in parts)), saved_world),
+                max((p.source for p in parts), key=SOURCES.index), True)
 
     def _same_layout(self, reader: CheckpointStore, step: int, holders: dict, saved_world: int) -> bool:
         """Whether step was saved with this run's world, tensor- and pipeline-parallel sizes (rank
@@ -378,8 +388,8 @@ class ObjectStoreCheckpointer:
         self._reap()
         self._device = engine.device
         with self._phase("agree"):  # what the pointer vouches for: the newest step all ranks handed over
-            mine = -1 if self._handed is None else self._handed
-            handed = int(self._reduce(engine.device, [mine], "MIN")[0])
+            self._agree(engine.device)
+        handed = -1 if self._agreed is None else self._agreed
         if handed >= 0 and self.rank == 0 and not self._others_dropped:
             # this fit has a complete snapshot: a restart no longer needs other fits' memory copies
             self.store.drop_others(self.family)
@@ -391,16 +401,28 @@ class ObjectStoreCheckpointer:
             persist = self._persist_due(step)
             self._unpersisted = None if persist else step
             handoff = Handoff(self.store, self.rank, self.world, step, captured, self._bytes,
-                              {"state": state}, self._refused, persist=persist,
-                              complete_step=None if handed < 0 else handed)
+                              {"state": _part_state(state, self.rank, self.world)}, self._refused,
+                              persist=persist, complete_step=None if handed < 0 else handed)
             # the copy thread puts the live tensors straight into the object store (CPU)
             handoff.copy = self._copy = HostCopy([p for p in captured.values() if isinstance(p, Flat)],
                                                  put=handoff.put_live)
         handoff.start()
         self._pending.append(handoff)
+        self._saved.append(step)
         with self._phase("report"):
             self._report(metrics, step)
         self._blocked.append(time.perf_counter() - t0)
+
+    def _agree(self, device) -> None:
+        """Move `_agreed` on to the newest step since it whose part every rank holds (a keeper's
+        copy, or persisted). A step's answer is final once its handoff settled on every rank: at
+        the latest MAX_PENDING saves later (_reap), so only the steps of those saves are asked."""
+        self._saved = [s for s in self._saved if self._agreed is None or s > self._agreed][-MAX_PENDING:]
+        self._held &= set(self._saved)
+        if not self._saved:  # (every rank's list is the same: each rank saves the same steps)
+            return
+        ok = self._reduce(device, [float(s in self._held) for s in self._saved], "MIN")
+        self._agreed = max((s for s, o in zip(self._saved, ok, strict=True) if o), default=self._agreed)
 
     def _persist_due(self, step: int) -> bool:
         """Any snapshot off schedule (a preemption's), and on schedule every persist_every-th, or
@@ -446,8 +468,8 @@ class ObjectStoreCheckpointer:
                                      or len(self._pending) >= MAX_PENDING):
                 h = self._pending.pop(0)
                 h.settle()
-                if not h.lost:
-                    self._handed = h.step
+                if not h.lost:  # its keeper owns the part, or it was written to persist_url
+                    self._held.add(h.step)
                 self._replicas = h.replicas if h.replicas is not None else self._replicas
 
     def settle(self) -> None:
@@ -546,6 +568,37 @@ class ObjectStoreCheckpointer:
             "run": self.store.run if self.store else None,
             **self._restored,
         }
+
+
+def _part_state(state: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """What a part's meta keeps of the loop's client state: of its per-rank entries ("ranks", one
+    per rank), this rank's own ("own"); every rank's in every part grew as world size squared."""
+    ranks = state.get("ranks")
+    if not isinstance(ranks, list) or len(ranks) != world:
+        return state
+    return {**{k: v for k, v in state.items() if k != "ranks"}, "own": ranks[rank]}
+
+
+def _every_rank_meta(reader: CheckpointStore, step: int, world: int, holders: dict,
+                     known: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """`known` ({old rank: its part's meta}) with every other part's meta of `step`: from the
+    keepers' inventory, else its persisted manifest. An older checkpoint's part carries every
+    rank's state itself: nothing more is read."""
+    if any("own" not in (m.get("state") or {}) for m in known.values()):
+        return known
+    return {r: known[r] if r in known else reader.peek_meta(step, r, holders) or {} for r in range(world)}
+
+
+def _client_state(metas: dict[int, dict[str, Any]], world: int) -> dict[str, Any]:
+    """The loop's client state from the metas of a step's parts ({old rank: meta}): each part's own
+    entry back at its rank in "ranks" (None for a part not given); a part of an older checkpoint
+    carries every rank's and is returned as saved."""
+    states = {r: m.get("state") or {} for r, m in metas.items()}
+    first = next(iter(states.values()))
+    if "own" not in first:
+        return dict(first)
+    return {**{k: v for k, v in first.items() if k != "own"},
+            "ranks": [states[r].get("own") if r in states else None for r in range(world)]}
 
 
 def _saved_tp(files: list[str]) -> int:

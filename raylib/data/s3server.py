@@ -11,12 +11,20 @@ default gRPC port is HTTP + 10000, which may be taken), its extra listeners (Ice
 off, telemetry is off, and its Unix sockets and logs stay ours to clean. Credentials come from
 AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY: they are written as the only S3 identity into
 <dir>/s3.json (mode 0600). `main()` is `raylib storage serve`.
+
+weed runs in a session of its own (a terminal's Ctrl-C is ours to handle), so nothing would stop it
+if its parent died without a chance to (SIGKILL, the OOM killer). On Linux it gets SIGTERM when
+that happens: the kernel's parent-death signal (prctl PR_SET_PDEATHSIG), asked for in the child
+before it becomes weed. The kernel sends it when the *thread* that forked it ends, so weed is
+always started from a thread that lives as long as the process (the main thread, else one kept
+for the purpose).
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import concurrent.futures
 import contextlib
 import glob
 import json
@@ -262,8 +270,11 @@ class SeaweedFS:
                     raise S3ServerError(f"port {port} ({name}) on {self.host} is in use")
                 raise _PortTaken(name)
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self._args(), stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, cwd=self.data_dir, start_new_session=True)
+        args = self._args()
+        if _PDEATHSIG:
+            args = [sys.executable, "-I", "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid()), *args]
+        self.proc = _popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                           stdin=subprocess.DEVNULL, cwd=self.data_dir, start_new_session=True)
         _LIVE.add(self)
 
     def _wait_ready(self, deadline: float) -> None:
@@ -326,6 +337,32 @@ class SeaweedFS:
 
 class _PortTaken(Exception):
     pass
+
+
+# The parent-death signal, set by a small exec shim rather than a preexec_fn (which may deadlock
+# in a threaded parent, as a Ray driver is): it asks for SIGTERM, exits if the parent (argv[1])
+# died before that, then becomes weed (the same pid). Linux only; elsewhere weed runs as before.
+_PDEATHSIG = sys.platform.startswith("linux")
+_PDEATHSIG_SHIM = """import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, ctypes.c_ulong(signal.SIGTERM))  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+_spawner: concurrent.futures.ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def _popen(args: list[str], **kw: Any) -> subprocess.Popen:
+    """Popen from a thread that outlives the server: the main thread, else a spawner thread kept
+    until exit (a worker thread that started weed and ended would take weed with it)."""
+    global _spawner
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(args, **kw)
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weed-spawner")
+    return _spawner.submit(subprocess.Popen, args, **kw).result()
 
 
 def _http_status(url: str) -> int:

@@ -19,7 +19,8 @@ order, blind to islands and switches — seeds the search too, so a plan never c
 PACK placement that happens to keep its tp groups whole.
 
 Per-node limits bind every strategy alike: `Parallelism.ranks_per_node`, and `node_ranks` (the
-ranks each node's free CPUs and memory can host, which the gang queue passes per job).
+ranks each node's free CPUs and memory can host: what the gang queue passes per job; plan() counts
+them from the nodes' CPUs and memory by the same rule, `hostable_ranks`, when it is not given).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from raylib.placement.sharing import EPS
 from raylib.placement.topology import Topology, _cap, _split_free
 
 
@@ -262,10 +264,13 @@ def plan(
     """Place `parallelism` on the free accelerators of `topology` (or `free`: {node: per island
     or total}, or an array per global island); raises PlacementError naming the constraint that
     cannot be met. node_ranks: at most this many ranks on each node (topology.nodes order; inf:
-    no limit), e.g. what its free CPUs hold. cpus_per_rank, memory_per_rank (GiB): each bundle's."""
+    no limit), e.g. what its free CPUs hold; None: what each node's CPUs and memory (Node.cpus,
+    Node.memory) hold of ranks of cpus_per_rank and memory_per_rank (GiB), each bundle's."""
     t0 = time.perf_counter()
     traffic = traffic or Traffic()
     fa = free_array(topology, free)
+    if node_ranks is None:  # a bundle Ray could not place on its node is no plan
+        node_ranks = hostable_ranks(topology, node_resources(topology), cpus_per_rank, memory_per_rank)
     ranks = assign(topology, parallelism, fa, traffic, strategy, time_budget_s, node_ranks)
     base = placement_cost(topology, parallelism, _pack(topology, parallelism, fa, node_ranks),
                           traffic) if baseline else None
@@ -311,6 +316,36 @@ def rank_bundle(resource: str, cpus: float, memory_gib: float = 0.0,
     if memory_gib > 0:
         out["memory"] = float(round(memory_gib * 2**30))
     return out
+
+
+def node_resources(topology: Topology) -> np.ndarray:
+    """The CPUs and GiB of memory each node has for ranks, shape (2, nodes); inf where not counted.
+    Node.cpus and Node.memory; a node without a CPU count has, on a CPU topology, its accelerators,
+    else, if short of CPUs for a rank per accelerator (usable < gpus), `usable` CPUs: one per rank,
+    as Topology.from_ray_nodes assumes."""
+    def cpus(n) -> float:
+        if n.cpus is not None:
+            return n.cpus
+        if topology.resource == "CPU":  # the accelerators are its CPUs
+            return float(n.gpus)
+        return float(n.usable) if n.usable is not None and n.usable < n.gpus else np.inf
+
+    return np.array([[cpus(n) for n in topology.nodes],
+                     [np.inf if n.memory is None else n.memory for n in topology.nodes]], dtype=float)
+
+
+def hostable_ranks(topology: Topology, spare: np.ndarray, cpus_per_rank: float, memory_per_rank: float = 0.0,
+                   share: float = 1.0) -> np.ndarray | None:
+    """How many ranks each node's `spare` CPUs and memory (node_resources' shape) hold, each rank
+    holding what its bundle asks Ray for (rank_bundle, with `share` of an accelerator); None: no
+    limit (nothing it asks for is counted anywhere). The one rule of the planner and the queue."""
+    ranks = None
+    per = (rank_bundle(topology.resource, cpus_per_rank, 0.0, share)["CPU"], memory_per_rank)
+    for row, need in enumerate(per):
+        if need > 0 and np.isfinite(spare[row]).any():
+            r = np.floor(spare[row] / need + EPS)  # inf (not counted) stays inf
+            ranks = r if ranks is None else np.minimum(ranks, r)
+    return None if ranks is None else np.maximum(ranks, 0.0)
 
 
 def free_array(topology: Topology, free: FreeMap | None = None) -> np.ndarray:

@@ -64,6 +64,8 @@ from raylib.placement.planner import (
     check,
     fits,
     free_array,
+    hostable_ranks,
+    node_resources,
     plan,
     rank_bundle,
 )
@@ -243,8 +245,7 @@ class GangQueue:
         self.devices = self._empty_devices()
         self._spare_now: tuple[int, np.ndarray] | None = None  # (version, _spare())
         self._spare_total = self._spare(self.devices)  # every node's CPUs and memory
-        self._counted = np.isfinite(self._spare_total).any(axis=1).tolist()  # counted anywhere?
-        self._any_counted = any(self._counted)
+        self._any_counted = bool(np.isfinite(self._spare_total).any())  # CPUs or memory counted anywhere?
         self._spare_use: dict[str, np.ndarray] = {}  # CPUs and memory per node of running jobs
         self._slots: dict[str, list[Slot]] = {}
         self._recent: deque[Request] = deque(maxlen=MIX_WINDOW)
@@ -539,12 +540,7 @@ class GangQueue:
         """How many of `job`'s ranks the spare CPUs and memory of each node hold (None: any)."""
         if not self._any_counted:
             return None
-        ranks = None
-        for row, per in enumerate((self._rank_cpus(job), job.memory)):
-            if per > 0 and self._counted[row]:
-                r = np.floor(spare[row] / per + EPS)  # inf (not counted) stays inf
-                ranks = r if ranks is None else np.minimum(ranks, r)
-        return None if ranks is None else np.maximum(ranks, 0.0)
+        return hostable_ranks(self.topology, spare, job.cpus, job.memory, min(job.share, 1.0))
 
     def _spare(self, devices: Devices | None = None) -> np.ndarray:
         """Free CPUs and memory of each node, shape (2, nodes); inf where not counted. The queue's
@@ -653,19 +649,9 @@ class GangQueue:
 
     def _empty_devices(self) -> Devices:
         """The idle devices, with every node's CPUs and memory (`Node.cpus`, `Node.memory`; not
-        counted: unlimited). A node without a CPU count has, on a CPU topology, its accelerators;
-        else, if it is short of CPUs for a rank per accelerator (`usable` < gpus), `usable` CPUs: one
-        per rank, as from_ray_nodes assumes."""
-        def cpus(n) -> float:
-            if n.cpus is not None:
-                return n.cpus
-            if self.topology.resource == "CPU":  # the accelerators are its CPUs
-                return float(n.gpus)
-            return float(n.usable) if n.usable is not None and n.usable < n.gpus else np.inf
-
-        nodes = self.topology.nodes
-        return Devices([n.gpus for n in nodes], cpus=[cpus(n) for n in nodes],
-                       mem=[np.inf if n.memory is None else n.memory for n in nodes])
+        counted: unlimited), as planner.node_resources counts them."""
+        cpus, mem = node_resources(self.topology)
+        return Devices([n.gpus for n in self.topology.nodes], cpus=cpus.tolist(), mem=mem.tolist())
 
     def _sync(self, nodes: set[int]) -> None:
         """Whole-accelerator capacity of these nodes' islands: usable devices no job touches."""

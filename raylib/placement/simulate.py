@@ -302,16 +302,14 @@ def compare(trace: list[TraceJob], topology: Topology, policies: Iterable[str] =
 
 def _best_costs(topology: Topology, traffic: Traffic):
     """Link-seconds of each job shape's best placement on the empty cluster (cached): within what
-    each node can host, as the queue places (its `usable` accelerators; its CPUs, one per rank)."""
+    each node can host, as the queue places (its `usable` accelerators; its CPUs, one per rank:
+    plan() counts them as the queue does)."""
     empty = {n.id: n.capacity for n in topology.nodes}
-    ranks = np.array([math.inf if n.cpus is None else math.floor(n.cpus + 1e-9)
-                      for n in topology.nodes])
 
     @cache
     def by_shape(dp: int, pp: int, tp: int) -> float:
         par = Parallelism(dp=dp, pp=pp, tp=tp)
-        return plan(topology, par, free=empty, traffic=traffic, baseline=False,
-                    node_ranks=ranks).cost.total_s
+        return plan(topology, par, free=empty, traffic=traffic, baseline=False).cost.total_s
 
     return lambda par: by_shape(par.dp, par.pp, par.tp)
 

@@ -693,6 +693,87 @@ def test_a_resumed_fit_removes_only_what_the_runs_retention_no_longer_keeps(clus
 
 
 
+def _entry(rank: int, step: int) -> dict:
+    """A rank's own client state (the loop's: its data position and RNG) at `step`."""
+    return {"data": {"consumed": step * 10 + rank}, "rng": {"torch": [rank, step]}}
+
+
+def _save_with_one_handoff_lost(spec, rank: int, group: str, lose: int) -> dict:
+    """Rank `rank` of a 2-rank gloo group saves steps 10..50 (settling each); its snapshot of step
+    `lose` is lost: too big for its keeper's budget (refused, for real) and the fallback write to
+    persist_url fails (a path under a regular file, for real). Returns what each save's pointer
+    vouched for, the steps complete in memory then, the metas the keepers hold for this rank, and
+    what a restarted worker group restores (its step and client state's per-rank entries)."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from raylib.checkpoint import deepspeed_io
+    from raylib.checkpoint.checkpointer import ObjectStoreCheckpointer
+
+    big = 4 << 20  # above the budget (max_store_fraction x the node's object store), unlike payload()
+    real_capture = deepspeed_io.capture
+    deepspeed_io.capture = lambda engine, step, state, rank_state=None: payload(step, rank) \
+        if step != lose else {f"global_step{step}/zero_pp_rank_{rank}_optim.pt": bytes(big)}
+    dist.init_process_group("gloo", init_method=f"file://{group}", rank=rank, world_size=2)
+    engine = types.SimpleNamespace(device=torch.device("cpu"), module=torch.nn.Linear(1, 1))
+    vouched, complete = [], []
+    try:
+        first = ObjectStoreCheckpointer(spec, str(spec.run_dir()))
+        assert first.restore(engine, None) is None
+
+        def report(metrics, step):
+            vouched.append(metrics["checkpoint_complete_step"])
+            complete.append([s for s, _ in first.store.complete_steps(persisted=False)])
+
+        first._report = report  # ray.train.report: outside Ray Train here
+        for step in (10, 20, 30, 40, 50):
+            state = {"ranks": [_entry(r, step) for r in range(2)], "tp": 1, "pp": 1}
+            first.save(engine, step, {}, state)
+            first.settle()
+        dist.barrier()  # both ranks' parts settled
+        metas = {step: copy["meta"] for (step, r), copies in first.store.holders().items() if r == rank
+                 for copy in copies}
+        again = ObjectStoreCheckpointer(spec, str(spec.run_dir()))
+        again._load = lambda *args, **kwargs: None  # the parts are fetched for real; DeepSpeed is not here
+        step, state = again.restore(engine, first._pointer(50, vouched[-1]))
+        dist.barrier()
+        if rank == 0:
+            first.store.drop()
+        return {"vouched": vouched, "complete": complete, "metas": metas, "restored": step,
+                "ranks": state["ranks"]}
+    finally:
+        deepspeed_io.capture = real_capture
+        dist.destroy_process_group()
+
+
+def test_a_lost_handoff_is_never_vouched_for_and_each_part_keeps_its_own_ranks_state(cluster, tmp_path):
+    """Rank 0 loses its snapshot of step 20 (its keeper refuses it and the fallback write fails too),
+    rank 1 its snapshot of step 30; each hands over the later ones. The step the ranks agree on is
+    the newest one both hold (10 until 40 is in), never 20: rank 0 holds 30 and rank 1 20, but
+    neither is complete. Each part's meta carries its own rank's client state only (data position,
+    RNG: every rank's in every part would grow as world size squared), and a restore gives every
+    rank every rank's (the loop resumes a replica's data position from its first rank's)."""
+    import ray
+
+    bad = tmp_path / "a-file"
+    bad.write_text("")  # persist_url below a regular file: every write there fails
+    spec = job(str(tmp_path / "unread"), tmp_path, "lost-handoff",
+               checkpoint={"persist_url": str(bad / "ckpt"), "max_store_fraction": 0.02})
+    task = ray.remote(num_cpus=0)(_save_with_one_handoff_lost)
+    group = str(tmp_path / "pg")
+    ranks = ray.get([task.remote(spec, 0, group, 20), task.remote(spec, 1, group, 30)], timeout=300)
+    for rank, got in enumerate(ranks):
+        assert got["vouched"] == [None, 10, 10, 10, 40], got["vouched"]
+        for vouched, complete in zip(got["vouched"], got["complete"], strict=True):
+            assert vouched is None or vouched in complete, (vouched, complete)
+        assert got["metas"] and all(m["state"] == {"own": _entry(rank, step), "tp": 1, "pp": 1}
+                                    for step, m in got["metas"].items()), got["metas"]
+        assert got["restored"] == 50
+        assert got["ranks"] == [_entry(r, 50) for r in range(2)], got["ranks"]
+
+
 def _corrupt(pointer: dict, step: int) -> None:
     """Damage a shard of `step` persisted by the fit `pointer` names (found only when read)."""
     shard = os.path.join(pointer["persist_url"], pointer["run"], f"step-{step:08d}", "rank-00000",

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,84 @@ def test_the_handlers_and_environment_come_back_after_the_server(tmp_path, fake_
         pass
     assert {sig: signal.getsignal(sig) for sig in before} == before
     assert "AWS_ACCESS_KEY_ID" not in os.environ  # the generated pair is not left behind
+
+
+# A parent that dies without a chance to stop weed (SIGKILL, the OOM killer); the server started
+# on its main thread, or on a thread that ended long before (weed must outlive that thread)
+KILLED = textwrap.dedent("""
+    import sys, threading, time
+    from pathlib import Path
+    from raylib.data import s3server
+
+    def wait_ready(self, deadline):  # as start() waits for the real weed to answer
+        while not (self.data_dir / "fake-weed.log").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    s3server.find_weed = lambda: sys.argv[2]
+    s3server.SeaweedFS._wait_ready = wait_ready
+    server = s3server.SeaweedFS(sys.argv[1], access_key="k", secret_key="s")
+    if sys.argv[3] == "thread":
+        t = threading.Thread(target=server.start)
+        t.start()
+        t.join()
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/self/task/{t.native_id}").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the kernel is done with the thread (and its children's signals)
+    else:
+        server.start()
+    print(server.pid, flush=True)
+    time.sleep(60)
+""")
+
+# Records the SIGTERM it gets and its parent at that moment (in its cwd, the data directory)
+PY_WEED = """#!{python}
+import os, signal, sys, time
+def on_term(*_):
+    with open("fake-weed.log", "w") as f:
+        f.write(f"TERM {{os.getppid()}}")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, on_term)
+with open("fake-weed.log", "w") as f:
+    f.write("ready")
+time.sleep(60)
+"""
+
+
+def poll(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_a_killed_parent_takes_its_weed_with_it(where, tmp_path):
+    weed_bin = tmp_path / "weed"
+    weed_bin.write_text(PY_WEED.format(python=sys.executable))
+    weed_bin.chmod(0o755)
+    data = tmp_path / "s3"
+    log = data / "fake-weed.log"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(data), str(weed_bin), where], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    weed = None
+    try:
+        line = proc.stdout.readline()
+        assert line.strip().isdigit(), f"the server did not start: {line!r}"
+        weed = int(line)
+        assert poll(lambda: log.exists() and log.read_text() or not running(weed))
+        assert running(weed) and log.read_text() == "ready", \
+            f"weed ended with the thread that started it: {log.read_text() if log.exists() else ''!r}"
+        proc.kill()  # no handler, no finally, no atexit
+        proc.wait()
+        assert poll(lambda: not running(weed)), f"weed (pid {weed}) outlived its SIGKILLed parent"
+        got, parent = log.read_text().split()
+        assert got == "TERM" and int(parent) != proc.pid, "the SIGTERM came before the parent died"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if weed is not None and running(weed):
+            os.kill(weed, signal.SIGKILL)

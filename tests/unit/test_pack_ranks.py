@@ -121,3 +121,34 @@ def test_an_elastic_job_keeps_ranks_per_node_at_every_size():
     q.submit(Job(id="e", parallelism=Parallelism(dp=4, ranks_per_node=1), sizes=(1, 2, 3, 4)))
     (d,) = q.tick(0)
     assert d.plan.parallelism.world == 2 and per_node(d.plan) == {"n0": 1, "n1": 1}
+
+
+def test_plan_alone_caps_each_node_at_what_its_cpus_and_memory_hold_as_the_queue_does():
+    """plan() without node_ranks (bench, simulate, a caller with a topology) spreads a job over
+    nodes no further than their CPUs and memory hold, by the queue's own rule: a bundle Ray could
+    never place on its node is no plan."""
+    from raylib.placement import Node
+
+    topo = Topology(nodes=[Node(id="n0", gpus=8, cpus=4, memory=64),
+                           Node(id="n1", gpus=8, cpus=16, memory=20),
+                           Node(id="n2", gpus=4)])  # n2: CPUs and memory not counted
+    cpu = Topology(resource="CPU", nodes=[Node(id="c0", gpus=8), Node(id="c1", gpus=6)])
+    for t, par, cpus, memory, strategy in [
+            (topo, Parallelism(dp=8), 1.0, 0.0, "topology"),     # n0: 4 ranks of 1 CPU, not 8
+            (topo, Parallelism(dp=10), 2.0, 0.0, "topology"),    # n0: 2, n1: 8
+            (topo, Parallelism(dp=10), 2.0, 0.0, "pack"),
+            (topo, Parallelism(dp=4, tp=2), 1.0, 8.0, "topology"),   # n1: 2 ranks of 8 GiB
+            (cpu, Parallelism(dp=7), 2.0, 0.0, "topology")]:     # a CPU rank of 2 CPUs takes 2 "accelerators"
+        p = plan(t, par, cpus_per_rank=cpus, memory_per_rank=memory, strategy=strategy, baseline=False)
+        q = GangQueue(t, Policy(placement=strategy))
+        q.submit(Job(id="j", parallelism=par, cpus=cpus, memory=memory))
+        [start] = q.tick(0.0)
+        for placed in (p, start.plan):  # both within every node's CPUs and memory
+            for node, n in per_node(placed).items():
+                spec = t.node(node)
+                held = n * max(cpus, 1.0) if t.resource == "CPU" else n * cpus
+                assert held <= (spec.cpus if spec.cpus is not None else spec.gpus if t.resource == "CPU"
+                                else np.inf), (par, cpus, node, n)
+                assert n * memory <= (spec.memory if spec.memory is not None else np.inf), (par, memory, node)
+    with pytest.raises(PlacementError, match="no more ranks on a node than its free CPUs and memory hold"):
+        plan(topo, Parallelism(dp=15), cpus_per_rank=2.0)  # 2 + 8 + n2's 4 of the 20 accelerators

@@ -28,7 +28,8 @@ class RunHistory:
     restored_param_digest: str | None = None
     """run.verify: sha256 of the parameters right after a restore."""
     data_ranks: list[dict[str, Any]] | None = None
-    """Each rank's tiered-pipeline metrics (None without tiers)."""
+    """Each reading rank's tiered-pipeline metrics (a middle pipeline stage reads none; None without
+    tiers)."""
     data_timeline: list[dict[str, Any]] | None = None
     checkpoint: dict[str, Any] | None = None
     """The checkpointer's metrics (snapshots, blocked time, restore ...)."""

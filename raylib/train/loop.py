@@ -97,6 +97,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     # what came back, compared exactly with the saving run's final digest (a collective: every rank)
     restored_digest = _parameter_digest(engine, spec.strategy.zero_stage, layout) \
         if start and verify else None
+    saved = state  # every rank's parts: a rank resumes its replica's data position from them
     state = _own_state(state, rank)
     marks.append(("restore", time.perf_counter()))
     reduction.load_state_dict(rank_state.get("compression"), same_world)  # error feedback, PowerSGD's Q
@@ -104,20 +105,9 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
     accum = engine.gradient_accumulation_steps()
     micro = engine.train_micro_batch_size_per_gpu()
     global_batch = engine.train_batch_size()
-    rows_per_step = accum * micro
-    pipeline = None
-    if spec.data.tiers:
-        resized = start > 0 and not same_world and config.get("elastic", False)  # an elastic resize
-        pipeline = _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start, state,
-                                    engine.device, resized=resized)
-        batches = iter(pipeline)
-    else:
-        # a resume continues the epoch where the restored steps left it: this rank's equal split
-        # holds num_rows // dp rows an epoch (Ray Train splits with equal=True); which samples
-        # follow is Ray Data's streaming order, not the first run's
-        per_epoch = index.num_rows // layout.dp // micro
-        batches = _batches(ray.train.get_dataset_shard("train"), micro, engine.device,
-                           spec.data.prefetch_batches, skip=start * accum % per_epoch if per_epoch else 0)
+    resized = start > 0 and not same_world and config.get("elastic", False)  # an elastic resize
+    pipeline = _rank_data(spec, task, index, ctx, layout, micro, accum, start, saved, engine.device, resized)
+    batches = pipeline if pipeline is not None else iter(())  # a middle stage's: never read
     evaluator = Evaluator(task, index, spec.data.storage_options, rank=layout.dp_rank,
                           world_size=layout.dp, micro_batch=micro,
                           max_batches=spec.run.eval_batches, device=engine.device) \
@@ -253,7 +243,7 @@ def worker_loop(config: dict[str, Any]) -> RunHistory | None:
         data_wait_s=parts.data_wait, checkpoint_s=parts.seconds["checkpoint"], loop_s=loop_s,
         rank_nodes=[r[1] for r in ranks],
         param_digests=[r[0] for r in ranks] if verify else None, restored_param_digest=restored_digest,
-        data_ranks=[r[2] for r in ranks] if data_metrics else None,
+        data_ranks=[r[2] for r in ranks if r[2] is not None] if data_metrics else None,  # not middle stages
         data_timeline=data_metrics["timeline"] if data_metrics else None,
         checkpoint=checkpointer.metrics(), preempted=preempted, evals=evals,
         peak_memory_bytes=[r[3] for r in ranks], host_allocator=[r[10] for r in ranks],
@@ -335,6 +325,58 @@ def _mean_over_ranks(value, device):
     return _reduce([value], device=device)[0] / dist.get_world_size()
 
 
+def _rank_data(spec, task, index, ctx, layout, micro: int, accum: int, start: int, saved: dict[str, Any],
+               device, resized: bool):
+    """This rank's micro-batches, positioned for a resume from `saved` (the restored client state,
+    every rank's parts): an iterator whose state() a checkpoint records. None for a middle
+    pipeline stage: DeepSpeed's pipeline engine takes micro-batches on the first stage (inputs)
+    and the last (labels) only, so a reader there would only copy shards into the tiers."""
+    if not layout.reads_data:
+        return None
+    if spec.data.tiers:
+        return _tiered_pipeline(spec, task, index, ctx, layout, micro, accum * micro, start,
+                                _replica_state(saved, layout), device, resized=resized)
+    import ray.train
+
+    rows_done, skip = _ray_data_start(saved, layout, index, micro, accum, start)
+    if start:
+        log.info("Ray Data resume: %d rows consumed, from row %d of the epoch", rows_done, skip)
+    return RayDataBatches(ray.train.get_dataset_shard("train"), micro, device, spec.data.prefetch_batches,
+                          skip=skip, rows_done=rows_done)
+
+
+def _replica_state(saved: dict[str, Any], layout) -> dict[str, Any]:
+    """The restored part of the rank that read this rank's replica in the saving run: its first
+    (first stage, tp rank 0). Not this rank's own part: a middle stage records no data position,
+    and after a change of tp or pp this rank number may have been in another replica. (At another
+    data-parallel size the replica's order differs: the tiered reader refuses it or deals anew.)"""
+    ranks = saved.get("ranks")
+    if ranks is None:
+        return saved
+    first = layout.dp_rank * int(saved.get("tp", 1)) * int(saved.get("pp", 1))
+    return (ranks[first] or {}) if first < len(ranks) else {}
+
+
+def _ray_data_start(saved: dict[str, Any], layout, index, micro: int, accum: int, start: int
+                    ) -> tuple[int, int]:
+    """(rows this rank has consumed, rows of the current epoch its split skips) for a Ray Data resume.
+
+    From the saving run's records (RayDataBatches.state(): one per rank, each a replica, Ray Data
+    refusing tp and pp): the global rows of the epoch given out so far, dealt over this run's
+    ranks. At the same world size that is each rank's own count; at another (an elastic resize,
+    or a resume the rank reader refuses) this split's share of them, which its split's equal
+    size then holds. Rows, not micro-batches: micro_batch_size or accumulation may have changed.
+    A checkpoint without records (the rank reader's, or taken before they were kept): the
+    restored steps x this run's micro-batches of the epoch, as the old code did (exact unless
+    the micro-batch, accumulation or world size changed since)."""
+    records = [(r or {}).get("data") or {} for r in saved.get("ranks") or []]
+    if records and all(d.get("reader") == "ray_data" for d in records):
+        return (sum(d["rows_done"] for d in records) // layout.dp,
+                sum(d["epoch_rows"] for d in records) // layout.dp)
+    per_epoch = index.num_rows // layout.dp // micro  # Ray Train's equal split, whole micro-batches
+    return start * accum * micro, (start * accum % per_epoch) * micro if per_epoch else 0
+
+
 def _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start, state, device,
                     resized: bool = False):
     """This rank's planned data path, positioned after the rows its checkpoint recorded it read:
@@ -346,11 +388,14 @@ def _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start
 
     # The rows the checkpoint recorded, not the restored steps x this run's rows a step:
     # micro_batch_size or gradient accumulation may have changed since. Computed only where
-    # nothing was recorded (a Ray Data run's checkpoint) or an elastic resize deals the data
-    # anew (the recorded positions are in the old ranks' orders; the global batch is kept, so
-    # start x rows a step is this rank's share of the rows consumed). A checkpoint of another
-    # order (seed, dataset, data-parallel size) is refused below, by its fingerprint.
-    recorded = {} if resized else state.get("data", {})
+    # nothing was recorded, or a Ray Data run's position was (rows of its stream, not of this
+    # rank's planned order), or an elastic resize deals the data anew (the recorded positions
+    # are in the old ranks' orders; the global batch is kept, so start x rows a step is this
+    # rank's share of the rows consumed). A checkpoint of another order (seed, dataset,
+    # data-parallel size) is refused below, by its fingerprint.
+    recorded = state.get("data") or {}
+    if resized or recorded.get("reader") == "ray_data":
+        recorded = {}
     rows_done = int(recorded.get("rows_done", start * rows_per_step))
     pipeline = TieredPipeline(
         spec, index, task=task, rank=layout.dp_rank,
@@ -359,7 +404,7 @@ def _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start
         skipped=recorded.get("skipped", ()),
         local_ranks=max(1, ctx.get_local_world_size() // layout.tp), device=device,
         queue_batches=spec.data.prefetch_batches)
-    saved = state.get("data", {}).get("order")
+    saved = recorded.get("order")
     if resized:
         log.info("resized elastic run: data re-dealt over %d replica(s) from row %d of each",
                  layout.dp, start * rows_per_step)
@@ -545,27 +590,65 @@ def _checkpoint_due(spec, done: int) -> bool:
     return (every and done % every == 0) or (spec.checkpoint.at_end and done == spec.run.steps)
 
 
-def _batches(shard, micro_batch: int, device, prefetch: int, skip: int = 0) -> Iterator[dict[str, Any]]:
-    """Endless micro-batches: epoch after epoch of this rank's split of the dataset, the first
-    `skip` of them left out (a resume)."""
-    import torch
+class RayDataBatches:
+    """Endless micro-batches of this rank's Ray Data split, epoch after epoch, and where they are
+    for a checkpoint: the rows consumed (`rows_done`) and how far into the current epoch of the
+    split (`epoch_rows`). A resume starts `skip` rows into its first epoch: a count of rows, not
+    of micro-batches (the micro-batch may have changed). When it is not a multiple of the
+    micro-batch, that epoch's batches are cut across Ray Data's, which it then yields whole
+    (drop_last off) to carry the rest of one into the next; every epoch's last rows short of a
+    micro-batch are left out, as Ray Data's drop_last would."""
 
-    while True:
-        seen = 0
-        for batch in shard.iter_torch_batches(
-            batch_size=micro_batch, drop_last=True, prefetch_batches=prefetch, dtypes=torch.long,
-            device=device,
-        ):
-            seen += 1
-            if skip:
-                skip -= 1
-                continue
-            yield batch
-        if seen == 0:
-            raise RuntimeError(
-                f"this rank's share of the dataset holds fewer than micro_batch_size={micro_batch}"
-                " rows; build a larger dataset or lower strategy.micro_batch_size"
-            )
+    def __init__(self, shard, micro_batch: int, device, prefetch: int, skip: int = 0, rows_done: int = 0):
+        self.rows_done, self.epoch_rows, self.micro = rows_done, skip, micro_batch
+        self._it = self._batches(shard, device, prefetch, skip)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        return next(self._it)
+
+    def state(self) -> dict[str, Any]:
+        return {"reader": "ray_data", "rows_done": self.rows_done, "epoch_rows": self.epoch_rows}
+
+    def metrics(self) -> None:  # the tiered reader's; Ray Data reports its own
+        return None
+
+    def close(self) -> None:
+        self._it.close()
+
+    def _batches(self, shard, device, prefetch: int, skip: int) -> Iterator[dict[str, Any]]:
+        import torch
+
+        micro = self.micro
+        while True:
+            rows, carry = 0, None
+            for batch in shard.iter_torch_batches(batch_size=micro, drop_last=False, dtypes=torch.long,
+                                                  prefetch_batches=prefetch, device=device):
+                n = len(next(iter(batch.values())))
+                rows += n
+                if skip:
+                    cut = min(skip, n)
+                    skip -= cut
+                    if cut == n:
+                        continue
+                    batch = {k: v[cut:] for k, v in batch.items()}
+                if carry is not None:
+                    batch = {k: torch.cat([carry[k], v]) for k, v in batch.items()}
+                have = len(next(iter(batch.values())))
+                if have < micro:
+                    carry = batch
+                    continue
+                carry = {k: v[micro:] for k, v in batch.items()} if have > micro else None
+                self.rows_done += micro
+                self.epoch_rows += micro
+                yield {k: v[:micro] for k, v in batch.items()}
+            if rows < micro:
+                raise RuntimeError(
+                    f"this rank's share of the dataset holds fewer than micro_batch_size={micro}"
+                    " rows; build a larger dataset or lower strategy.micro_batch_size")
+            skip, self.epoch_rows = 0, 0  # a skip past the epoch's end (another dataset) ends there
 
 
 def _parameter_digest(engine, zero_stage: int, layout=None) -> str:

@@ -8,8 +8,8 @@ batch: data is read and evaluated by data-parallel rank (rank // tp) over dp rep
 
 Pipeline stages (raylib.train.pipeline, DeepSpeed's pipeline engine) sit between the two: rank =
 (dp_index * pp + stage) * tp + tp_index, the order the planner places (stages on neighbouring
-nodes). Every stage of a replica reads that replica's data (the first feeds the inputs, the last
-the labels).
+nodes). The first and last stage of a replica read that replica's data (the first feeds the
+inputs, the last the labels); DeepSpeed's pipeline engine takes none on a stage between them.
 """
 
 from __future__ import annotations
@@ -56,6 +56,11 @@ class Layout:
     def stage(self) -> int:
         """This rank's pipeline stage."""
         return (self.rank // self.tp) % self.pp
+
+    @property
+    def reads_data(self) -> bool:
+        """Whether this rank reads its replica's micro-batches: not a middle pipeline stage."""
+        return self.stage in (0, self.pp - 1)
 
     @property
     def tp_rank(self) -> int:

@@ -23,10 +23,10 @@ RTOL = 1e-5  # fp32: a tp group sums partial products in another order than one 
 
 
 def tp_spec(data: str, out, name: str, tp: int, workers: int, steps: int, pp: int = 1,
-            schedule: str = "1f1b") -> JobSpec:
+            schedule: str = "1f1b", layers: int = 2, micro: int = 4) -> JobSpec:
     return JobSpec.from_dict({
         "name": name,
-        "model": {"family": "llama", "overrides": {"num_hidden_layers": 2}},
+        "model": {"family": "llama", "overrides": {"num_hidden_layers": layers}},
         "task": {"type": "causal_lm"},
         "data": {"path": data, "manifest": None},
         # the same global batch on every layout (dp=1 here: the data order is the same too);
@@ -34,7 +34,7 @@ def tp_spec(data: str, out, name: str, tp: int, workers: int, steps: int, pp: in
         # (pp: 4 micro-batches of 4 rows through the 2 stages)
         "strategy": {"zero_stage": 1, "tensor_parallel": tp, "pipeline_parallel": pp,
                      "pipeline_schedule": schedule,
-                     "global_batch_size": 16, "micro_batch_size": 4,
+                     "global_batch_size": 16, "micro_batch_size": micro,
                      "gradient_clipping": 0.0, "optimizer": {"lr": 3e-3},
                      "lr_schedule": {"type": "constant"}},
         "scaling": {"num_workers": workers},
@@ -237,3 +237,26 @@ def test_the_tp_x_pp_checkpoint_resumes_on_one_rank(runs):
     assert (one["start_step"], one["checkpoint"]["restored_step"]) == (STEPS, STEPS)
     assert one["parallelism"] == {"dp": 1, "tp": 1, "pp": 1}
     assert close(one["loss_curve"], ref[STEPS:LONGER]), (one["loss_curve"], ref)
+
+
+def test_three_stages_resume_at_two_with_the_former_middle_stage_reading_the_labels(built_dataset, tmp_path):
+    """pp=3 (3 workers): DeepSpeed takes micro-batches on the first and last stage only, so the
+    middle one reads none and records no data position. Its checkpoint resumes at pp=2 with
+    micro-batches of 2: the former middle stage is now the last, and reads the labels from the
+    row its replica's first stage recorded (not from a position of its own), so the two stages
+    see the same samples and the curve is one rank's, resumed alike, on the same global batch."""
+    from raylib import runtime
+    from tests.integration.conftest import connect_driver
+
+    connect_driver("embedded", lambda: runtime.connect(num_cpus_needed=2))
+    data = built_dataset("ecommerce-gpt")
+    ref = [x for steps, micro in ((2, 4), (4, 2)) for x in run(
+        tp_spec(data, tmp_path, "pp3-reference", tp=1, workers=1, steps=steps, layers=3, micro=micro),
+        progress=False).summary["loss_curve"]]
+    three = run(tp_spec(data, tmp_path, "pp3", tp=1, workers=3, steps=2, pp=3, layers=3),
+                progress=False).summary
+    assert three["parallelism"] == {"dp": 1, "tp": 1, "pp": 3}
+    two = run(tp_spec(data, tmp_path, "pp3", tp=1, workers=2, steps=4, pp=2, layers=3, micro=2),
+              progress=False).summary
+    assert (two["start_step"], two["parallelism"]["pp"]) == (2, 2)
+    assert close(three["loss_curve"] + two["loss_curve"], ref), (three["loss_curve"], two["loss_curve"], ref)

@@ -88,17 +88,30 @@ def test_pipeline_evaluation_without_a_whole_micro_batch_is_a_clear_error():
     assert engine.training
 
 
-def test_a_ray_data_resume_skips_the_micro_batches_its_epoch_already_read():
-    """_batches over a rank's split: the first `skip` micro-batches of the first epoch are left
-    out, later epochs are whole. (A stand-in for Ray Data's DataIterator: only its
-    iter_torch_batches, returning numbered batches, is needed to follow the loop's counting.)"""
-    from itertools import islice
+def test_a_ray_data_resume_starts_at_the_rows_its_ranks_recorded_at_any_micro_batch_or_world_size():
+    """_ray_data_start: the rows of the epoch the saving run's ranks recorded (RayDataBatches.state,
+    one per rank), dealt over this run's ranks: each rank's own count at the same world size,
+    its share of their sum after a resize; never the restored steps x this run's micro-batches.
+    (The stream skipping them over real Ray Data: tests/integration/test_ray_data_resume.py.)"""
+    from types import SimpleNamespace
 
-    from raylib.train.loop import _batches
+    index = SimpleNamespace(num_rows=100)
 
-    class Split:
-        def iter_torch_batches(self, **_):
-            return iter(range(5))  # an epoch of 5 micro-batches
+    def saved(*records):
+        return {"ranks": [{"data": r, "rng": {}} for r in records], "tp": 1, "pp": 1}
 
-    got = list(islice(_batches(Split(), micro_batch=4, device="cpu", prefetch=0, skip=3), 7))
-    assert got == [3, 4, 0, 1, 2, 3, 4]
+    # 2 ranks, 7 steps of 4 rows, an epoch of 50 rows each: 28 rows consumed, 8 into the 2nd epoch
+    ray_data = {"reader": "ray_data", "rows_done": 28, "epoch_rows": 8}
+    two = saved(ray_data, ray_data)
+    # resumed with micro-batches of 3 (the old code: 7 steps x 1 batch % 16 = 7 batches, 21 rows)
+    assert loop._ray_data_start(two, SimpleNamespace(dp=2), index, micro=3, accum=1, start=7) == (28, 8)
+    # at another world size the epoch's 16 rows given out are dealt over the new ranks
+    assert loop._ray_data_start(two, SimpleNamespace(dp=1), index, micro=3, accum=1, start=7) == (56, 16)
+    assert loop._ray_data_start(two, SimpleNamespace(dp=4), index, micro=3, accum=1, start=7) == (14, 4)
+    # no record (a rank reader's checkpoint, or one from before): the steps' micro-batches of the epoch
+    rank_reader = {"rows_done": 28, "skipped": [], "order": "f"}
+    assert loop._ray_data_start(saved(rank_reader, rank_reader), SimpleNamespace(dp=2), index,
+                                micro=4, accum=1, start=19) == (76, (19 % 12) * 4)
+    assert loop._ray_data_start(saved({}, {}), SimpleNamespace(dp=2), index, micro=4, accum=1,
+                                start=7) == (28, 28)
+    assert loop._ray_data_start({}, SimpleNamespace(dp=2), index, micro=4, accum=2, start=0) == (0, 0)

@@ -238,3 +238,59 @@ def test_a_resume_with_another_micro_batch_and_accumulation_continues_at_the_rec
     resized = pipe(2, 3, 5, {"data": saved}, resized=True)
     resized.close()
     assert resized.rows_done == 5 * 6 and resized.state()["skipped"] == []
+    # a Ray Data run's record counts rows of its stream, at its world size: computed here too
+    after_ray_data = pipe(2, 3, 5, {"data": {"reader": "ray_data", "rows_done": 80, "epoch_rows": 8}})
+    after_ray_data.close()
+    assert after_ray_data.rows_done == 5 * 6
+
+
+def test_a_middle_pipeline_stage_reads_nothing_and_every_stage_resumes_at_its_replicas_record(
+        tiny_dataset, tmp_path):
+    """DeepSpeed's pipeline engine takes micro-batches on the first stage (inputs) and the last
+    (labels) only: a middle stage builds no reader (nothing copied into the tiers, no position
+    in its checkpoint). A resumed rank takes its replica's position as the replica's first rank
+    recorded it, so a former middle stage that is now the last one (pp 3 -> 2) continues with the
+    first stage, at its recorded row, also with another micro-batch and accumulation."""
+    from types import SimpleNamespace
+
+    from raylib.train.loop import _rank_data
+    from raylib.train.parallel import Layout
+
+    index = read_index(tiny_dataset)
+    largest = max(s["bytes"] for s in index.shards)
+    hot = tmp_path / "hot"
+
+    def spec(pp: int) -> JobSpec:
+        return JobSpec.from_dict({
+            "data": {"path": tiny_dataset, "manifest": None,
+                     "tiers": [{"name": "hot", "url": str(hot), "capacity": 3 * largest}]},
+            "run": {"steps": 10}, "scaling": {"num_workers": pp}, "strategy": {"pipeline_parallel": pp}})
+
+    def data(rank: int, pp: int, micro: int, accum: int, start: int, saved: dict):
+        return _rank_data(spec(pp), _Ids(), index, SimpleNamespace(get_local_world_size=lambda: pp),
+                          Layout(rank=rank, world=pp, pp=pp), micro, accum, start, saved, None, False)
+
+    assert data(1, 3, 4, 2, 0, {}) is None  # the middle stage of three
+    assert not hot.exists(), "nothing was copied for it"
+    first, last = data(0, 3, 4, 2, 0, {}), data(2, 3, 4, 2, 0, {})
+    try:
+        for p in (first, last):
+            for _ in range(5 * 2):
+                next(p)
+        # what a checkpoint after step 5 holds: the middle stage's part has no data position
+        saved = {"ranks": [{"data": first.state()}, {"data": {}}, {"data": last.state()}], "tp": 1, "pp": 3}
+        reference = [next(first)["input_ids"].numpy() for _ in range(5)]  # rows 40..59
+    finally:
+        first.close()
+        last.close()
+    assert saved["ranks"][0]["data"]["rows_done"] == 40
+    # pp 3 -> 2, 3 x 2 rows a step: rank 1 is now the last stage (its own part: the middle's)
+    resumed = [data(r, 2, 2, 3, 5, saved) for r in (0, 1)]
+    try:
+        for p in resumed:
+            assert p.rows_done == 40  # not 5 steps x 6 rows
+            np.testing.assert_array_equal(np.concatenate([next(p)["input_ids"].numpy() for _ in range(10)]),
+                                          np.concatenate(reference))
+    finally:
+        for p in resumed:
+            p.close()

@@ -45,12 +45,14 @@ def job(args, out_dir: str) -> JobSpec:
 
 
 def warm_up(args, out: Path) -> float:
-    """One 2-step run of the job: fills the shared cache tier (and imports, compiles) for both."""
+    """One run of the job as long as a trial: fills the shared cache tier with what a trial reads
+    (and imports, compiles) for both searches."""
     from raylib import run as run_job
 
     base = job(args, str(out)).model_dump(exclude_unset=True)
     spec = JobSpec.from_dict({**base, "name": "autotune-warm-up",
-                              "run": {"output_dir": str(out / "warm-up"), "steps": 2, "eval_batches": 1},
+                              "run": {"output_dir": str(out / "warm-up"), "steps": args.steps,
+                                      "eval_batches": 1},
                               "checkpoint": {"at_end": False}})
     t0 = time.monotonic()
     run_job(spec, progress=False)

@@ -18,7 +18,7 @@ since the last agreed one, each rank saying which of them its keeper holds or pe
 vouch for s). Each part's meta keeps the loop's client state with only its own rank's entry
 (data position, RNG), so a part's meta stays the same size at any world size (every rank's in
 every part made the keepers' inventories grow as its square); a restore gathers every rank's entry
-from the parts' metas (the inventory lists them; a persisted part's manifest has its own). Parts of
+by one all-gather of the parts' own entries (another layout fetches every part anyway). Parts of
 older checkpoints, each carrying every rank's, load as saved. `resumed_from` ({run,
 persist_url, step}) is what this fit's latest restore loaded (carried over from the pointer when
 it loaded nothing), so a fit that fails before its own first snapshot is complete can resume
@@ -305,6 +305,8 @@ class ObjectStoreCheckpointer:
             if found is None:
                 return None
             step, saved_world, (directory, memory, state, source, every_rank) = found
+            if not every_rank and "own" in state:  # the same on every rank: one checkpoint's format
+                state = self._gather_own(state)
             with self._phase("restore_load"):
                 self._load(engine, directory, step, every_rank, memory, saved_pp=int(state.get("pp", 1)),
                            saved_tp=int(state.get("tp", 1)))
@@ -314,6 +316,16 @@ class ObjectStoreCheckpointer:
             return step, state, source
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+
+    def _gather_own(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A same-layout restore's client state: this rank's part keeps its own entry ("own"); the
+        ranks' entries back in "ranks", by one all-gather (old rank r is rank r here)."""
+        import torch.distributed as dist
+
+        entries: list[Any] = [None] * dist.get_world_size()
+        with self._phase("restore_agree"):
+            dist.all_gather_object(entries, state["own"])
+        return {**{k: v for k, v in state.items() if k != "own"}, "ranks": entries}
 
     def _fetch(self, reader: CheckpointStore, step: int, saved_world: int, directory: str,
                memory: dict[str, Any]) -> tuple[dict[str, Any], str, bool]:
@@ -333,8 +345,9 @@ class ObjectStoreCheckpointer:
                 if other != self.rank:
                     sources.append(reader.fetch(step, other, directory, select, holders,
                                                 memory=memory).source)
-            metas = _every_rank_meta(reader, step, saved_world, holders, {self.rank: own.meta})
-            return _client_state(metas, saved_world), max(sources, key=SOURCES.index), False
+            # the other ranks' entries of the client state come by one all-gather once the step is
+            # agreed (_load_newest): reading every part's meta on every rank is world^2 reads
+            return dict(own.meta.get("state") or {}), max(sources, key=SOURCES.index), False
         # another layout: every old rank's files, for the universal conversion
         parts = [reader.fetch(step, r, directory, holders=holders) for r in range(saved_world)]
         return (_client_state(dict(enumerate(p.meta for p in parts)), saved_world),
@@ -395,13 +408,14 @@ class ObjectStoreCheckpointer:
             self.store.drop_others(self.family)
             self._others_dropped = True
         metrics = {**metrics, "checkpoint_complete_step": None if handed < 0 else handed}
+        own = _part_state(state, self.rank, self.world)  # DeepSpeed's files get this rank's entry too
         with self._phase("capture"):
-            captured = deepspeed_io.capture(engine, step, state, rank_state)
+            captured = deepspeed_io.capture(engine, step, own, rank_state)
             self._bytes = sum(p.nbytes if isinstance(p, Flat) else len(p) for p in captured.values())
             persist = self._persist_due(step)
             self._unpersisted = None if persist else step
             handoff = Handoff(self.store, self.rank, self.world, step, captured, self._bytes,
-                              {"state": _part_state(state, self.rank, self.world)}, self._refused,
+                              {"state": own}, self._refused,
                               persist=persist, complete_step=None if handed < 0 else handed)
             # the copy thread puts the live tensors straight into the object store (CPU)
             handoff.copy = self._copy = HostCopy([p for p in captured.values() if isinstance(p, Flat)],
@@ -577,16 +591,6 @@ def _part_state(state: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     if not isinstance(ranks, list) or len(ranks) != world:
         return state
     return {**{k: v for k, v in state.items() if k != "ranks"}, "own": ranks[rank]}
-
-
-def _every_rank_meta(reader: CheckpointStore, step: int, world: int, holders: dict,
-                     known: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """`known` ({old rank: its part's meta}) with every other part's meta of `step`: from the
-    keepers' inventory, else its persisted manifest. An older checkpoint's part carries every
-    rank's state itself: nothing more is read."""
-    if any("own" not in (m.get("state") or {}) for m in known.values()):
-        return known
-    return {r: known[r] if r in known else reader.peek_meta(step, r, holders) or {} for r in range(world)}
 
 
 def _client_state(metas: dict[int, dict[str, Any]], world: int) -> dict[str, Any]:

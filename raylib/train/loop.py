@@ -353,8 +353,16 @@ def _replica_state(saved: dict[str, Any], layout) -> dict[str, Any]:
     ranks = saved.get("ranks")
     if ranks is None:
         return saved
-    first = layout.dp_rank * int(saved.get("tp", 1)) * int(saved.get("pp", 1))
-    return (ranks[first] or {}) if first < len(ranks) else {}
+    per_replica = int(saved.get("tp", 1)) * int(saved.get("pp", 1))
+    if len(ranks) // per_replica != layout.dp:
+        # Another data-parallel size: every rank must take the same branch. Planned orders (the
+        # rank reader's) are another split's: each rank gets an order no fingerprint matches
+        # (refused unless an elastic resize deals anew), not some an old record and the rest none.
+        # Ray Data's records (no order) leave the position to be computed, on every rank.
+        if any(((r or {}).get("data") or {}).get("order") for r in ranks):
+            return {"data": {"order": f"saved at data-parallel size {len(ranks) // per_replica}"}}
+        return {}
+    return ranks[layout.dp_rank * per_replica] or {}
 
 
 def _ray_data_start(saved: dict[str, Any], layout, index, micro: int, accum: int, start: int

@@ -294,3 +294,22 @@ def test_a_middle_pipeline_stage_reads_nothing_and_every_stage_resumes_at_its_re
     finally:
         for p in resumed:
             p.close()
+
+
+def test_a_resume_at_another_data_parallel_size_gives_every_rank_the_same_refusal():
+    """Saved at 4 ranks with tp 2 (2 replicas), resumed at 4 ranks with tp 1 (4 replicas): every
+    new replica gets an order no fingerprint matches, so all ranks refuse together. Before, ranks
+    2 and 3 found no record and ran on from a computed position while 0 and 1 refused; at the same
+    data-parallel size (tp 2 -> pp 2) each replica takes its old first rank's record."""
+    from types import SimpleNamespace
+
+    from raylib.train.loop import _replica_state
+
+    saved = {"tp": 2, "pp": 1, "ranks": [{"data": {"order": f"o{r}", "rows_done": 10 * r}} for r in range(4)]}
+    got = [_replica_state(saved, SimpleNamespace(dp=4, dp_rank=r))["data"]["order"] for r in range(4)]
+    assert len(set(got)) == 1 and got[0] not in {f"o{r}" for r in range(4)}
+    assert [_replica_state(saved, SimpleNamespace(dp=2, dp_rank=r))["data"]["rows_done"]
+            for r in range(2)] == [0, 20]
+    # a Ray Data run's records (no planned order): every rank computes its position
+    ray_data = {"ranks": [{"data": {"reader": "ray_data", "rows_done": 8}}] * 2}
+    assert _replica_state(ray_data, SimpleNamespace(dp=1, dp_rank=0)) == {}

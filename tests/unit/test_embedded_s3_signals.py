@@ -5,6 +5,7 @@ runs) and the readiness probe is skipped; the real server is exercised by tests/
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -55,17 +56,24 @@ def running(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_a_terminated_run_stops_its_weed(sig, tmp_path, fake_weed):
-    proc = subprocess.Popen([sys.executable, "-c", RUN, str(tmp_path / "s3"), fake_weed], cwd=REPO,
-                            stdout=subprocess.PIPE, text=True)
-    weed = None
-    try:
-        line = proc.stdout.readline()
-        assert line.strip().isdigit(), f"the run did not start its server: {line!r}"
-        weed = int(line)
+    with child_and_weed(RUN, str(tmp_path / "s3"), fake_weed) as (proc, weed):
         assert running(weed)
         proc.send_signal(sig)  # `timeout`, `kill`, a closed terminal
         assert proc.wait(timeout=30) == 128 + sig
         assert not running(weed), f"weed (pid {weed}) outlived the run that started it"
+
+
+@contextlib.contextmanager
+def child_and_weed(code: str, *args: str):
+    """A child python running `code`, which prints its weed's pid first: (child, weed pid). Both
+    are killed at the end if still there."""
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    weed = None
+    try:
+        line = proc.stdout.readline()
+        assert line.strip().isdigit(), f"the child did not start its server: {line!r}"
+        weed = int(line)
+        yield proc, weed
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -156,13 +164,7 @@ def test_a_killed_parent_takes_its_weed_with_it(where, tmp_path):
     weed_bin.chmod(0o755)
     data = tmp_path / "s3"
     log = data / "fake-weed.log"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(data), str(weed_bin), where], cwd=REPO,
-                            stdout=subprocess.PIPE, text=True)
-    weed = None
-    try:
-        line = proc.stdout.readline()
-        assert line.strip().isdigit(), f"the server did not start: {line!r}"
-        weed = int(line)
+    with child_and_weed(KILLED, str(data), str(weed_bin), where) as (proc, weed):
         assert poll(lambda: log.exists() and log.read_text() or not running(weed))
         assert running(weed) and log.read_text() == "ready", \
             f"weed ended with the thread that started it: {log.read_text() if log.exists() else ''!r}"
@@ -171,9 +173,3 @@ def test_a_killed_parent_takes_its_weed_with_it(where, tmp_path):
         assert poll(lambda: not running(weed)), f"weed (pid {weed}) outlived its SIGKILLed parent"
         got, parent = log.read_text().split()
         assert got == "TERM" and int(parent) != proc.pid, "the SIGTERM came before the parent died"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if weed is not None and running(weed):
-            os.kill(weed, signal.SIGKILL)

@@ -6,8 +6,9 @@ gradient compression with topology-aware scheduling, and fusion with mixed preci
 faster, 89.3% GPU utilisation, cost -70%. One input is matched to the brief: the host time per
 sample of the baseline's synchronous input pipeline (tokenising, encoding on the training thread),
 set so that the baseline waits for data BASELINE_DATA_WAIT of its step (GPUs "below 40%" busy).
-Everything else is the model's prediction: its V100 efficiency is the one fitted on NVIDIA's
-published 1-GPU figure (tests/unit/test_perf_published.py), the cluster the catalogue's DGX-1.
+Everything else is the model's prediction: its V100 constant is the one fitted on NVIDIA's
+published 1-GPU figure (perf/published.py: the element-wise efficiency, matmuls at
+MATMUL_EFFICIENCY), the cluster the catalogue's DGX-1.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Any
 
 from raylib.perf.cluster import ClusterSpec
 from raylib.perf.model import Workload, compression_ratio, predict
+from raylib.perf.published import MATMUL_EFFICIENCY, fitted_memory_efficiency
 
 BASELINE_DATA_WAIT = 0.6
-V100_EFFICIENCY = 0.42  # fitted on NVIDIA's 1 x V100, seq 128, mixed-precision figure (158 seq/s)
 SEQ, MICRO = 128, 32
 
 
@@ -51,7 +52,8 @@ def _cluster(placement: str) -> ClusterSpec:
                    {"name": "leaf", "devices": 32, "bandwidth_gbs": 6.25, "latency_us": 5},
                    {"name": "spine", "devices": None, "bandwidth_gbs": 6.25, "latency_us": 8}],
         "tiers": [{"name": "cold", "read_gbs": 2.0}],
-        "calibration": {"compute_efficiency": {"fp32": V100_EFFICIENCY, "fp16": V100_EFFICIENCY}},
+        "calibration": {"compute_efficiency": {"fp32": MATMUL_EFFICIENCY, "fp16": MATMUL_EFFICIENCY},
+                        "memory_efficiency": fitted_memory_efficiency("v100")},
     })
 
 
@@ -90,7 +92,8 @@ def bert_large_case() -> dict[str, Any]:
         "assumptions": [
             f"the baseline's synchronous input waits {BASELINE_DATA_WAIT:.0%} of its step (the brief: GPUs "
             f"below 40% utilised waiting for data): {host_s * 1e3:.2f} ms host time per sample",
-            f"V100 compute efficiency {V100_EFFICIENCY} (fitted on NVIDIA's published 1-GPU figure)",
+            f"V100 element-wise efficiency {fitted_memory_efficiency('v100'):.3f} (fitted on NVIDIA's "
+            f"published 1-GPU figure), matmuls at {MATMUL_EFFICIENCY} of the peak",
             "network: DGX-1 nodes (NVLink 150 GB/s per GPU, 4 x 100 Gb/s EDR per node: 6.25 GB/s per GPU) "
             "on a non-blocking fat tree, leaves of 4 nodes; spread placement crosses the spine at every hop",
             "same price per device-hour before and after: cost scales with the step time",

@@ -137,12 +137,18 @@ class ClusterSpec(_Section):
     pue: float = Field(1.3, ge=1.0)
     """Uptime Institute's 2024 survey: a typical data centre's average PUE is ~1.5; modern ones ~1.2-1.3."""
     calibration: Calibration = Field(default_factory=Calibration)
+    """Left out: on an accelerator with a published table (V100, A100), the model fitted on its
+    published figure (perf/published.py); elsewhere the stated defaults."""
 
     @model_validator(mode="after")
     def _known(self) -> ClusterSpec:
         from raylib.perf.catalogue import accelerator
 
         row = accelerator(self.accelerator)  # ValueError naming the known keys
+        if "calibration" not in self.model_fields_set:
+            from raylib.perf.published import published_calibration
+
+            self.calibration = published_calibration(row.key) or self.calibration
         if self.levels is not None:
             if not self.levels:
                 raise ValueError("levels is empty: give at least one level (e.g. {name: node, devices: "

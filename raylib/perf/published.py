@@ -230,8 +230,9 @@ def figure_cluster(f: PublishedFigure, memory_efficiency: float,
         "accelerator": f.accelerator, "devices": 8, "peak_flops": peaks,
         "calibration": {"compute_efficiency": {p: matmul_efficiency for p in ("fp32", "fp16")},
                         "memory_efficiency": memory_efficiency,
-                        "source": f"element-wise efficiency fitted on {f.source} ({f.where}): {f.gpus} "
-                                  f"GPU, seq {f.seq_len}, {f.precision}, {f.samples_per_s:g} samples/s; "
+                        "source": f"element-wise efficiency fitted on NVIDIA DeepLearningExamples' "
+                                  f"BERT-Large, {FIT_TABLE} table, {f.system}: {f.gpus} GPU, "
+                                  f"seq {f.seq_len}, {f.precision}, {f.samples_per_s:g} samples/s; "
                                   f"matmuls at {matmul_efficiency:g} of the peak (assumed)"}})
 
 
@@ -256,3 +257,12 @@ def fitted_memory_efficiency(accelerator: str, matmul_efficiency: float = MATMUL
 def fitted_cluster(f: PublishedFigure, matmul_efficiency: float = MATMUL_EFFICIENCY):
     """The cluster to predict figure f with: its accelerator's one fitted constant."""
     return figure_cluster(f, fitted_memory_efficiency(f.accelerator, matmul_efficiency), matmul_efficiency)
+
+
+def published_calibration(accelerator: str):
+    """The calibration fitted on the accelerator's published figure (None without a table): what
+    a cluster file that gives no calibration gets."""
+    if accelerator not in _FIT_SYSTEMS:
+        return None
+    return fitted_cluster(fit_figure(accelerator)).calibration.model_copy(update={
+        "compute_efficiency": {p: MATMUL_EFFICIENCY for p in ("fp32", "tf32", "fp16", "bf16")}})

@@ -121,3 +121,16 @@ def test_the_shipped_cluster_files_carry_the_published_fit(name, acc):
     cal = ClusterSpec.from_yaml(Path(__file__).parents[2] / "deployment/perf" / name).calibration
     assert cal.memory_efficiency == pytest.approx(fitted_memory_efficiency(acc), abs=5e-4)
     assert set(cal.compute_efficiency.values()) == {MATMUL_EFFICIENCY}
+
+
+def test_a_cluster_file_without_a_calibration_gets_the_published_fit_where_there_is_one():
+    from raylib.perf.cluster import ClusterSpec
+
+    v100 = ClusterSpec.model_validate({"accelerator": "v100", "devices": 8}).calibration
+    assert v100.memory_efficiency == fitted_memory_efficiency("v100") and "fitted on" in v100.source
+    assert v100.compute_efficiency["fp16"] == MATMUL_EFFICIENCY
+    h100 = ClusterSpec.model_validate({"accelerator": "h100", "devices": 8}).calibration
+    assert h100.source == "defaults (not calibrated)"  # no published table: the stated guesses
+    given = ClusterSpec.model_validate({"accelerator": "v100", "devices": 8,
+                                        "calibration": {"memory_efficiency": 0.4}}).calibration
+    assert given.memory_efficiency == 0.4 and given.source == "defaults (not calibrated)"

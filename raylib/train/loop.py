@@ -410,7 +410,7 @@ def _tiered_pipeline(spec, task, index, ctx, layout, micro, rows_per_step, start
         world_size=layout.dp, micro_batch=micro, rows_done=rows_done,
         rows_needed=rows_done + max(0, spec.run.steps - start) * rows_per_step,
         skipped=recorded.get("skipped", ()),
-        local_ranks=max(1, ctx.get_local_world_size() // layout.tp), device=device,
+        local_ranks=layout.node_readers(ctx.get_local_rank(), ctx.get_local_world_size()), device=device,
         queue_batches=spec.data.prefetch_batches)
     saved = recorded.get("order")
     if resized:

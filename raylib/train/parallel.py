@@ -62,6 +62,17 @@ class Layout:
         """Whether this rank reads its replica's micro-batches: not a middle pipeline stage."""
         return self.stage in (0, self.pp - 1)
 
+    def node_readers(self, local_rank: int, local_world_size: int) -> int:
+        """The data-parallel replicas read on this rank's node: how many planned access orders
+        share its tiers. A tp group, and a replica's first and last stage, read the same shards
+        (one order); a middle stage reads none. Ray Train numbers a node's workers consecutively
+        (WorkerGroup groups them by node before it ranks them), so the node holds the world ranks
+        rank - local_rank ... + local_world_size - 1."""
+        first = self.rank - local_rank
+        node = (Layout(rank=r, world=self.world, tp=self.tp, pp=self.pp)
+                for r in range(first, first + local_world_size))
+        return max(1, len({lay.dp_rank for lay in node if lay.reads_data}))
+
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp

@@ -128,6 +128,27 @@ def test_pipeline_stages_sit_between_tp_and_dp_in_the_planners_rank_order():
     assert bubble_fraction(pp=4, micro_batches=8) == 3 / 11 and bubble_fraction(1, 8) == 0
 
 
+@pytest.mark.parametrize("world, tp, pp, per_node, expected", [
+    (6, 1, 3, 3, [1, 1]),      # a node holds one replica's 3 stages: one order (was 3)
+    (8, 2, 2, 4, [1, 1]),      # a replica's 2 stages x tp 2: one order (was 2)
+    (8, 1, 4, 2, [1, 1, 1, 1]),  # stages 0-1 on one node, 2-3 (the last reads) on the next
+    (8, 1, 4, 4, [1, 1]),
+    (4, 2, 1, 4, [2]),         # two tp groups: two orders, as before
+    (4, 1, 1, 2, [2, 2]),
+])
+def test_a_nodes_tiers_are_shared_by_the_replicas_read_there_not_by_its_ranks(world, tp, pp, per_node,
+                                                                                expected):
+    """The tier capacity each reader plans with is the node's divided by the access orders planned
+    there: a tp group, and a replica's first and last stage, read one order; middle stages none."""
+    got = []
+    for node in range(world // per_node):
+        counts = {Layout(rank=r, world=world, tp=tp, pp=pp).node_readers(r - node * per_node, per_node)
+                  for r in range(node * per_node, (node + 1) * per_node)}
+        assert len(counts) == 1  # every rank of a node agrees
+        got.append(counts.pop())
+    assert got == expected
+
+
 def test_memory_model_divides_the_sharded_projections_by_tp():
     s = spec("llama", "causal_lm", tp=1, workers=4)
     shape = model_shape(s, LM_INDEX)

@@ -279,12 +279,14 @@ def _check_out(out: Path, run_dir: Path, force: bool) -> None:
 
 def _read_index(spec, run_dir: Path):
     from raylib.data.build import read_index
+    from raylib.data.source import build_command
 
     try:
         return read_index(spec.data.path, spec.data.storage_options)
     except FileNotFoundError:
-        how = f"`raylib data build {spec.data.manifest} --out {spec.data.path}`" if spec.data.manifest \
-            else f"`raylib data build MANIFEST --out {spec.data.path}` with the manifest it was built from"
+        how = f"`{build_command(spec.data.manifest, spec.data.path, spec.data.storage_options)}`"
+        if not spec.data.manifest:
+            how += " with the manifest it was built from"
         raise ExportError(f"the dataset of run {run_dir} is needed for the tokenizer (data.path "
                           f"{spec.data.path!r}) and it is gone; rebuild it: {how}") from None
 
@@ -699,6 +701,8 @@ def build_tokenizer(spec, index):
     from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
 
+    from raylib.data.source import build_command
+
     meta = getattr(index, "tokenizer", None) or {}
     name = meta.get("file") or "tokenizer.json"
     fs, root = fsspec.core.url_to_fs(index.url, **dict(spec.data.storage_options))
@@ -707,7 +711,8 @@ def build_tokenizer(spec, index):
         tok = Tokenizer.from_str(fs.cat_file(path).decode())
     except FileNotFoundError:
         raise ExportError(f"the dataset at {index.url!r} has no {name}; rebuild it "
-                          "(`raylib data build MANIFEST --out URL`)") from None
+                          f"(`{build_command(spec.data.manifest, index.url, spec.data.storage_options)}`)"
+                          ) from None
     roles = special_roles(index)
     tokens = {}
     for role, i in roles.items():

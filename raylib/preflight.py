@@ -149,7 +149,8 @@ def check_shards(spec: JobSpec, index: DatasetIndex) -> None:
         log.warning("data.path %r: %s%s; skipped by data.prefetch.skip_corrupt", index.url,
                     problems[0], more)
         return
-    raise ValueError(corrupt_shard_message(index.url, problems, spec.data.manifest))
+    raise ValueError(corrupt_shard_message(index.url, problems, spec.data.manifest,
+                                           spec.data.storage_options))
 
 
 def check_oversubscription(spec: JobSpec, address: str | None = None) -> None:

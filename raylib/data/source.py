@@ -47,7 +47,8 @@ def training_dataset(spec: JobSpec, index: DatasetIndex | None = None) -> ray.da
     except (OSError, pa.ArrowInvalid) as e:
         problems = shard_problems(index, spec.data.storage_options, footers=True)
         if problems:
-            raise CorruptShard(corrupt_shard_message(index.url, problems, spec.data.manifest)) from e
+            raise CorruptShard(corrupt_shard_message(index.url, problems, spec.data.manifest,
+                                                      spec.data.storage_options)) from e
         raise
     finally:
         context.use_datasource_v2 = v2
@@ -112,10 +113,33 @@ def shard_problems(index: DatasetIndex, storage_options: dict[str, Any] | None =
     return problems
 
 
-def corrupt_shard_message(url: str, problems: list[str], manifest: str | None) -> str:
+def build_command(manifest: str | None, url: str, storage_options: dict[str, Any] | None = None,
+                  force: bool = False) -> str:
+    """The `raylib data build` command that writes `url` the way the job reads it: its
+    storage_options (an S3 endpoint, say) as --storage-option flags. A spec's options hold no
+    credentials (spec.no_credentials): those come from the environment."""
+    import shlex
+
+    import yaml
+
+    def flat(options: dict[str, Any], prefix: str = ""):
+        for key, value in options.items():
+            if isinstance(value, dict):
+                yield from flat(value, f"{prefix}{key}.")
+            else:
+                scalar = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+                yield f"--storage-option {shlex.quote(f'{prefix}{key}={scalar}')}"
+
+    parts = ["raylib data build", manifest or "MANIFEST", "--out", shlex.quote(url),
+             *flat(dict(storage_options or {}))]
+    return " ".join(parts + (["--force"] if force else []))
+
+
+def corrupt_shard_message(url: str, problems: list[str], manifest: str | None,
+                          storage_options: dict[str, Any] | None = None) -> str:
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
     return (f"data.path {url!r}: {problems[0]}{more}; rebuild the dataset with "
-            f"`raylib data build {manifest or 'MANIFEST'} --out {url} --force`")
+            f"`{build_command(manifest, url, storage_options, force=True)}`")
 
 
 PARQUET_MAGIC = b"PAR1"

@@ -204,13 +204,14 @@ def built_index(spec: JobSpec, progress: bool = True):
     """The index of the dataset at data.path, built first from data.manifest when it is not there;
     every access goes through data.storage_options (the endpoint preflight checked)."""
     from raylib.data.build import DatasetManifest, build, is_built, read_index
+    from raylib.data.source import build_command
 
     options = spec.data.storage_options
     if not is_built(spec.data.path, options):
         if spec.data.manifest is None:
             raise FileNotFoundError(
                 f"data.path {spec.data.path!r} holds no built dataset and data.manifest is "
-                "unset; run `raylib data build MANIFEST --out URL` or set data.manifest"
+                f"unset; run `{build_command(None, spec.data.path, options)}` or set data.manifest"
             )
         build(DatasetManifest.load(spec.data.manifest), spec.data.path, progress=progress,
               storage_options=options)

@@ -402,6 +402,26 @@ def test_a_jobs_data_storage_options_reach_the_trainer_tune_and_export(endpoint_
     assert built_index(spec, progress=False) == index == _dataset_index(spec) == _read_index(spec, Path("r"))
 
 
+def test_the_rebuild_hint_carries_the_jobs_storage_options_and_they_parse_back(endpoint_only):
+    """A job whose data lives behind an endpoint is told the build command that reaches it: the
+    hint's --storage-option flags, read by the CLI, give back the job's storage_options."""
+    import shlex
+
+    from raylib.cli import storage_options_of
+    from raylib.spec import JobSpec
+    from raylib.train.trainer import built_index
+
+    options = {**ENDPOINT, "config_kwargs": {"retries": {"max_attempts": 2}}, "use_ssl": False}
+    spec = JobSpec.from_dict({"data": {"path": endpoint_only, "manifest": None, "storage_options": options}})
+    with pytest.raises(FileNotFoundError) as info:
+        built_index(spec, progress=False)  # nothing built there, no manifest to build it from
+    command = str(info.value).split("`")[1]
+    words = shlex.split(command)
+    assert words[:5] == ["raylib", "data", "build", "MANIFEST", "--out"] and words[5] == endpoint_only
+    flags = [words[i + 1] for i, w in enumerate(words) if w == "--storage-option"]
+    assert len(flags) == 3 and storage_options_of(flags) == options
+
+
 # -- pack_rows -----------------------------------------------------------------------------------
 
 

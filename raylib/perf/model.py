@@ -16,7 +16,8 @@ pipeline-parallel degrees t and p):
   topology-unaware one crosses the top level), plus per bucket a latency per ring hop: a ring
   enters each unit once, so of its n-1 hops only (units-1) pay the crossed level's latency.
   ZeRO-0 all-reduces the gradients once per step; ZeRO-1/2 reduce-scatter them (ZeRO-2 every
-  micro-batch: its gradients are partitioned as they are produced) and all-gather the updated
+  micro-batch: its gradients are partitioned as they are produced; once with a compressor that
+  keeps error feedback, which holds the micro-batches before the boundary) and all-gather the updated
   weights once; ZeRO-3 also all-gathers the weights forward and backward every micro-batch.
   Tensor parallelism all-reduces b*s*h activations 4 times per layer and micro-batch (Megatron: 2
   forward, 2 backward), on the critical path; pipelines send b*s*h per micro-batch and boundary
@@ -217,12 +218,16 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
     buckets = max(1, math.ceil(grads / (s.reduce_bucket_size * grad_bytes_each)))
     gathers = max(1, math.ceil(weights / (s.allgather_bucket_size * act_bytes)))
     dp_eff = stage_value(cal, "comm_efficiency", s.zero_stage)
+    # gradient reductions a step: ZeRO-2/3 one per micro-batch, except where raylib's compressor
+    # holds the micro-batches before the boundary in its error buffers (grad_reduction: ZeRO-2)
+    held = s.zero_stage == 2 and s.compression.replaces_reduction and s.compression.error_feedback
+    reductions = micro if s.zero_stage >= 2 and not held else 1
     if s.zero_stage == 0:
         reduce = _collective_s("all_reduce", dp, grads, buckets, dp_level, cal, dp_hops, dp_eff)
         gather = 0.0
     else:
-        times = micro if s.zero_stage >= 2 else 1
-        reduce = times * _collective_s("reduce_scatter", dp, grads, buckets, dp_level, cal, dp_hops, dp_eff)
+        reduce = reductions * _collective_s("reduce_scatter", dp, grads, buckets, dp_level, cal, dp_hops,
+                                            dp_eff)
         gather = _collective_s("all_gather", dp, weights, gathers, dp_level, cal, dp_hops, dp_eff)
         if s.zero_stage == 3:
             gather = 2 * micro * _collective_s("all_gather", dp, weights, layers, dp_level, cal, dp_hops,
@@ -234,7 +239,6 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
     backward_micro = BACKWARD_SHARE * compute / micro
     forward_window = overlap * (compute / micro - backward_micro)
     backward_window = overlap * backward_micro
-    reductions = micro if s.zero_stage >= 2 else 1
     r = reduce / reductions
     if s.zero_stage == 3:
         g = gather / (2 * micro)  # one micro-batch's forward gathers, and its backward's

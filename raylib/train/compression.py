@@ -80,12 +80,46 @@ class Compressor:
         self.error_feedback = error_feedback
         self.start_step = start_step
         self._errors: dict[str, torch.Tensor] = {}
+        # held (hold_) gradients of tensors that carry no error buffer: added back at the next reduce_
+        self._held: dict[str, torch.Tensor] = {}
         self.last: dict = self._stats([], False, 0, 0, 0, 0, 0.0)
+
+    def holds(self, step: int) -> bool:
+        """Whether a gradient may be held for the next reduction (hold_) at `step`: where the error
+        buffers already keep what is not sent, so holding costs no memory they do not hold anyway."""
+        return self.method != "none" and self.error_feedback and step >= self.start_step
+
+    def hold_(self, grads: NamedGrads) -> float:
+        """Keep `grads` for the next reduce_ instead of sending them (a micro-batch before the
+        accumulation boundary, at ZeRO-2) and zero them in place: the caller accumulates what the
+        seam returns, nothing now and the group's average of the summed gradients at the boundary,
+        as DDP's no_sync does. A tensor the compressor sends with its error buffer is added to it;
+        one it sends dense (no buffer: small) is kept aside. Returns the norm of the held gradients."""
+        norm = float(self._norm([t for _, t in grads]))
+        for name, t in grads:
+            if self._carries_error(t):
+                self._error_for(name, t).add_(t.detach().float())
+            else:
+                held = self._held.get(name)
+                if held is None or held.shape != t.shape:
+                    held = self._held[name] = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                held.add_(t.detach().float())
+            t.zero_()
+        return norm
+
+    def _carries_error(self, t: torch.Tensor) -> bool:
+        """Whether `t` goes through the error buffer when compressed (its held part can wait there)."""
+        return True
 
     def reduce_(self, grads: NamedGrads, group, world_size: int, step: int) -> None:
         """Replace each gradient in place with its (approximate) average over `group`; exact dense average
-        before `start_step`. Tensors may be views into one bucket: written with ``copy_``, never rebound."""
+        before `start_step`. Tensors may be views into one bucket: written with ``copy_``, never rebound.
+        Held gradients (hold_) go with them: in the error buffers, or added to the tensor here."""
         grad_norm = self._norm([t for _, t in grads])
+        for name, t in grads:
+            held = self._held.pop(name, None)
+            if held is not None:
+                t.add_(held.to(t.dtype))
         if self.method == "none" or step < self.start_step:
             payload = self._dense_average([t for _, t in grads], group, world_size)
             self.last = self._stats(grads, False, 0, len(grads), payload, self._dense_bytes(grads), grad_norm)
@@ -233,6 +267,9 @@ class PowerSGD(Compressor):
         self._q: dict[str, torch.Tensor] = {}
         # Its own generator: drawing Qs never touches the global RNG, so dropout masks are unchanged.
         self._generator = torch.Generator().manual_seed(seed)
+
+    def _carries_error(self, t: torch.Tensor) -> bool:
+        return bool(self._rank_for(t))  # a dense tensor's average is exact: no error buffer
 
     def _rank_for(self, t: torch.Tensor) -> int:
         """The approximation rank of `t`, or 0 when it is sent dense (decided from the shape only)."""

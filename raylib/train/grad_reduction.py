@@ -13,9 +13,12 @@ stage funnels its gradients through, installed right after deepspeed.initialize:
   around it (either reduce_scatter path), is timed. ZeRO-1 reduces once per optimizer step, the
   accumulated gradient at the accumulation boundary; ZeRO-2 reduces every micro-batch's gradient
   ("ZeRO stage >= 2 communicates during non gradient accumulation boundaries as well", DeepSpeed's
-  engine), so with gradient_accumulation_steps k the compressor runs k times a step, each time on
-  that micro-batch's local gradient plus the residual carried so far, and the step moves k x the
-  bytes (as DeepSpeed's own ZeRO-2 reduction does: the compression ratio is unchanged);
+  engine). With a compressor that keeps error buffers, a micro-batch before the boundary is held
+  instead (Compressor.hold_: added to the buffers, the bucket zeroed, so DeepSpeed accumulates
+  nothing for it) and the boundary's reduction sends the summed gradient once, as ZeRO-1 and DDP's
+  no_sync do: k times fewer bytes than DeepSpeed's own ZeRO-2 reduction at accumulation k, whose
+  dense bytes stay the reference of the compression ratio. Without error feedback every
+  micro-batch is compressed on its own (holding would need a gradient-sized buffer);
 - ZeRO-3: not measured (its reduce-scatter runs in hooks of its own); compression is refused there.
 
 Every reduction is timed and its collectives' bytes are counted (raylib.train.commstats) per
@@ -109,8 +112,29 @@ class GradReduction:
             view = tensor.narrow(0, offset, p.numel()).view(p.shape)
             named.append((self._names.get(id(p), f"param{id(p)}"), view))
             offset += p.numel()
-        self._compress(named, optimizer.dp_process_group, None)
+        if self.stage == 2 and self.compressor.holds(self.engine.global_steps) \
+                and not self.engine.is_gradient_accumulation_boundary():
+            self._hold(named, optimizer.dp_process_group)
+        else:
+            self._compress(named, optimizer.dp_process_group, None)
         return tensor
+
+    def _hold(self, named, group) -> None:
+        """A micro-batch before the boundary, kept for the boundary's reduction: no collective. Its
+        dense bytes count (what DeepSpeed's ZeRO-2 reduction would have sent now), and its norm
+        (the step's local gradients are every micro-batch's)."""
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        norm = self.compressor.hold_(named)
+        self.reached = True
+        world = dist.get_world_size(group=group)
+        dense = sum(t.numel() * t.element_size() for _, t in named)
+        o = self._open
+        o["reduce_s"] += time.perf_counter() - start
+        o["dense_bytes"] += dense
+        o["dense_ring_bytes"] += dense * 2 * (world - 1) / world
+        o["grad_norm_sq"] += norm ** 2
 
     def _compress(self, named, group, world) -> None:
         import torch.distributed as dist
@@ -141,8 +165,8 @@ class GradReduction:
         o["calls"] += 1
         o["dense_bytes"] += last["dense_bytes"]
         if "error_norm" in last:  # a compressor's call
-            # ZeRO-2 with gradient accumulation reduces (and compresses) every micro-batch: a name
-            # then comes more than once a step, and only its latest residual is carried on
+            # ZeRO-2 with gradient accumulation and no error feedback compresses every micro-batch:
+            # a name then comes more than once a step, and only its latest residual is carried on
             self._errors_sq.update((name, norm * norm) for name, norm in last["error_norms"].items())
             o["error_norm_sq"] = sum(self._errors_sq.values())
             # every gradient handed over this step (at ZeRO-2 with accumulation, each micro-batch's)

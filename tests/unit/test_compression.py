@@ -597,6 +597,41 @@ def test_a_warm_start_from_an_all_zero_first_gradient_still_sends_later_ones(tmp
     assert sent[0] == 0.0 and sent[1] > 0 and sent[2] > 0, sent
 
 
+@pytest.mark.parametrize("method", ["powersgd", "topk"])
+def test_a_held_micro_batch_goes_with_the_next_reduction_and_nothing_is_lost(method, tmp_path):
+    """ZeRO-2 before the accumulation boundary: hold_ zeroes the tensors (DeepSpeed accumulates
+    nothing for them) and the boundary's reduce_ sends the summed gradient once: on one rank, what
+    came back plus what the error buffers keep is the sum of both micro-batches, for the compressed
+    matrix and for the bias PowerSGD sends dense (exactly: no buffer)."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(3)
+    first = {"w": torch.randn(32, 24, generator=g), "b": torch.randn(24, generator=g)}
+    second = {"w": torch.randn(32, 24, generator=g), "b": torch.randn(24, generator=g)}
+    compressor = make_compressor(method, **({"rank": 2} if method == "powersgd" else {"fraction": 0.1}))
+    assert compressor.holds(0)
+    held = {n: t.clone() for n, t in first.items()}
+    norm = compressor.hold_(list(held.items()))
+    assert all(not t.any() for t in held.values())
+    assert norm == pytest.approx(float(torch.cat([t.reshape(-1) for t in first.values()]).norm()), rel=1e-6)
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        sent = {n: t.clone() for n, t in second.items()}
+        compressor.reduce_(list(sent.items()), None, 1, 0)
+    finally:
+        dist.destroy_process_group()
+    for n in first:
+        kept = compressor._errors.get(n, torch.zeros_like(first[n]))
+        assert torch.allclose(sent[n] + kept, first[n] + second[n], atol=1e-5), n
+    if method == "powersgd":
+        assert "b" not in compressor._errors and torch.allclose(sent["b"], first["b"] + second["b"])
+    assert compressor._held == {}
+    # nothing to hold without error buffers, before start_step, or with no compressor
+    assert not make_compressor(method, error_feedback=False).holds(0)
+    assert not make_compressor(method, start_step=5).holds(4) and not make_compressor("none").holds(9)
+
+
 def test_loading_another_methods_state_is_refused():
     with pytest.raises(ValueError, match="method"):
         make_compressor("topk").load_state_dict(make_compressor("powersgd").state_dict())

@@ -175,6 +175,19 @@ def test_compression_scales_the_gradient_bytes():
         predict(workload(), cluster()).communication_total_s / 4)
 
 
+def test_a_compressor_with_error_feedback_reduces_once_a_step_at_zero2():
+    """At ZeRO-2 with accumulation, raylib's compressor holds the micro-batches before the boundary
+    (grad_reduction): one reduction a step, as at ZeRO-1; without error feedback, one a micro-batch."""
+    def comm(stage: int, error_feedback: bool = True) -> float:
+        w = workload(zero_stage=stage, compression=CompressionSpec(method="powersgd", rank=4,
+                                                                   error_feedback=error_feedback))
+        w.accumulation = 4
+        return predict(w, cluster()).communication_total_s
+
+    assert comm(2) == pytest.approx(comm(1))
+    assert comm(2, error_feedback=False) > 2 * comm(2)
+
+
 def test_prefetch_hides_data_loading_behind_the_step():
     c = cluster(tiers=[{"name": "cold", "read_gbs": 0.001}])
     w = workload(8)

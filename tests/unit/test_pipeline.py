@@ -210,8 +210,10 @@ def test_a_resume_with_another_micro_batch_and_accumulation_continues_at_the_rec
         "data": {"path": tiny_dataset, "manifest": None,
                  "tiers": [{"name": "hot", "url": str(tmp_path / "hot"), "capacity": 2 * largest}]},
         "run": {"steps": 10}, "scaling": {"num_workers": 2}})
-    ctx = SimpleNamespace(get_local_world_size=lambda: 2)
-    layout = SimpleNamespace(dp_rank=1, dp=2, tp=1)
+    from raylib.train.parallel import Layout
+
+    ctx = SimpleNamespace(get_local_world_size=lambda: 2, get_local_rank=lambda: 1)
+    layout = Layout(rank=1, world=2)  # replica 1 of 2, both on this node
 
     def pipe(micro: int, accum: int, start: int, state: dict, resized: bool = False) -> TieredPipeline:
         return _tiered_pipeline(spec, _Ids(), index, ctx, layout, micro, micro * accum, start, state,
@@ -267,7 +269,8 @@ def test_a_middle_pipeline_stage_reads_nothing_and_every_stage_resumes_at_its_re
             "run": {"steps": 10}, "scaling": {"num_workers": pp}, "strategy": {"pipeline_parallel": pp}})
 
     def data(rank: int, pp: int, micro: int, accum: int, start: int, saved: dict):
-        return _rank_data(spec(pp), _Ids(), index, SimpleNamespace(get_local_world_size=lambda: pp),
+        return _rank_data(spec(pp), _Ids(), index, SimpleNamespace(get_local_world_size=lambda: pp,
+                                                                        get_local_rank=lambda: rank),
                           Layout(rank=rank, world=pp, pp=pp), micro, accum, start, saved, None, False)
 
     assert data(1, 3, 4, 2, 0, {}) is None  # the middle stage of three

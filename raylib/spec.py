@@ -447,7 +447,9 @@ class CompressionSpec(_Section):
     fraction: float = 0.01
     """topk: the share of each gradient's entries sent, in (0, 1]."""
     error_feedback: bool = True
-    """powersgd / topk: what a step's compression dropped is added to the next step's gradient."""
+    """powersgd / topk: what a step's compression dropped is added to the next step's gradient. At
+    ZeRO-2 with gradient accumulation it also lets the micro-batches before the boundary wait in
+    those buffers, so a step compresses and sends their sum once (off: every micro-batch is sent)."""
     start_step: int = Field(0, ge=0)
     """powersgd / topk: optimizer steps of exact all-reduce before compressing."""
     hpz_partition_size: int = Field(1, ge=1)

@@ -111,6 +111,17 @@ class Compressor:
         """Whether `t` goes through the error buffer when compressed (its held part can wait there)."""
         return True
 
+    def _overflowed(self, grads: NamedGrads) -> None:
+        """Some rank's gradient was not finite (an fp16 loss-scale overflow, a divergence): hand
+        DeepSpeed NaNs, so that it skips the step as it does any overflow, and empty these names'
+        error buffers. Kept, a non-finite residual would be added to every later step's gradient
+        and every step would overflow; the finite residual and held micro-batches go with the
+        skipped step."""
+        for name, t in grads:
+            t.fill_(float("nan"))
+            if name in self._errors:
+                self._errors[name].zero_()
+
     def reduce_(self, grads: NamedGrads, group, world_size: int, step: int) -> None:
         """Replace each gradient in place with its (approximate) average over `group`; exact dense average
         before `start_step`. Tensors may be views into one bucket: written with ``copy_``, never rebound.
@@ -308,6 +319,9 @@ class PowerSGD(Compressor):
         p_flat = torch.cat([(matrix @ q).reshape(-1) for matrix, q in zip(matrices, qs, strict=True)])
         dist.all_reduce(p_flat, group=group)
         payload += _nbytes(p_flat)
+        if not bool(torch.isfinite(p_flat).all()):  # the same sum, so the same branch, on every rank
+            self._overflowed([(name, t) for name, t, _ in compress])
+            return len(compress), len(dense), payload
         ps = self._split(p_flat, [(m.shape[0], q.shape[1]) for m, q in zip(matrices, qs, strict=True)])
         for p in ps:
             _orthogonalize_(p)
@@ -413,6 +427,9 @@ class TopK(Compressor):
             _all_gather_single(all_indices.view(-1), index_flat, group)
             payload += _nbytes(value_flat) + _nbytes(index_flat)
 
+        if not bool(torch.isfinite(all_values).all()):  # every rank gathered the same values
+            self._overflowed(tensors)
+            return len(tensors), 0, payload
         offset = 0
         for (name, t), acc, sent_index, sent_value in zip(tensors, accumulated, indices, values, strict=True):
             k = sent_index.numel()

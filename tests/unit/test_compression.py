@@ -325,6 +325,25 @@ def check_state_dict(rank: int) -> dict:
     return out
 
 
+def check_one_rank_overflows(rank: int) -> dict:
+    """Rank 1's gradient overflows, rank 0's does not: both must take the same branch (the next
+    collectives still pair up), both hand back NaN, and the next call is finite on both."""
+    out = {}
+    for method, options in (("powersgd", {"rank": 2}), ("topk", {"fraction": 0.1})):
+        compressor = make_compressor(method, **options)
+        g = torch.Generator().manual_seed(100 + rank)
+        bad = torch.randn(32, 24, generator=g)
+        if rank == 1:
+            bad[0, 0] = float("inf")
+        compressor.reduce_([("w", bad)], None, WORLD, 0)
+        good = torch.randn(32, 24, generator=g)
+        compressor.reduce_([("w", good)], None, WORLD, 1)
+        out[method] = {"overflow_finite": bool(torch.isfinite(bad).any()),
+                       "next_finite": bool(torch.isfinite(good).all()),
+                       "error_finite": bool(torch.isfinite(compressor._errors["w"]).all())}
+    return out
+
+
 CHECKS = {
     "oracle rank 2": lambda rank: check_powersgd_oracle(rank, 2),
     "oracle rank 4": lambda rank: check_powersgd_oracle(rank, 4),
@@ -335,6 +354,7 @@ CHECKS = {
     "payload": check_payload_bytes,
     "dense": check_dense_and_start_step,
     "state": check_state_dict,
+    "overflow on one rank": lambda rank: check_one_rank_overflows(rank),
 }
 
 
@@ -630,6 +650,50 @@ def test_a_held_micro_batch_goes_with_the_next_reduction_and_nothing_is_lost(met
     # nothing to hold without error buffers, before start_step, or with no compressor
     assert not make_compressor(method, error_feedback=False).holds(0)
     assert not make_compressor(method, start_step=5).holds(4) and not make_compressor("none").holds(9)
+
+
+@pytest.mark.parametrize("method", ["powersgd", "topk"])
+def test_an_overflowed_gradient_makes_deepspeed_skip_the_step_and_leaves_no_poison(method, tmp_path):
+    """An fp16 loss-scale overflow (inf in a gradient, here in a held micro-batch and then in a sent
+    one): the reduction hands back NaN, which DeepSpeed's overflow check turns into a skipped step,
+    and the error buffers are emptied. Before, M - approximation = inf stayed in them: every later
+    step's gradient became inf, and every step overflowed."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(5)
+    compressor = make_compressor(method, **({"rank": 2} if method == "powersgd" else {"fraction": 0.1}))
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        def reduce(grad):
+            compressor.reduce_([("w", grad)], None, 1, 0)
+            return grad
+
+        reduce(torch.randn(32, 24, generator=g))  # a finite residual to lose
+        assert compressor._errors["w"].abs().sum() > 0
+        for overflow in ("held", "sent"):
+            bad = torch.randn(32, 24, generator=g)
+            bad[3, 4] = float("inf")
+            if overflow == "held":
+                compressor.hold_([("w", bad)])
+                out = reduce(torch.randn(32, 24, generator=g))
+            else:
+                out = reduce(bad)
+            assert not torch.isfinite(out).any(), overflow  # DeepSpeed sees the overflow
+            assert not compressor._errors["w"].any(), overflow  # and no residual survives it
+        good = torch.randn(32, 24, generator=g)
+        expected = good.clone()
+        out = reduce(good)  # the next step trains as from a fresh buffer
+        assert torch.isfinite(out).all() and torch.isfinite(compressor._errors["w"]).all()
+        assert torch.allclose(out + compressor._errors["w"], expected, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_when_one_rank_overflows_every_rank_skips_together(ranks):
+    for outcome in result(ranks, "overflow on one rank"):
+        for method, seen in outcome.items():
+            assert seen == {"overflow_finite": False, "next_finite": True, "error_finite": True}, method
 
 
 def test_loading_another_methods_state_is_refused():

@@ -4,7 +4,8 @@ Each measured run gives, per step, the median step time and the loop's parts (te
 compute, communication, optimizer, data_wait, checkpoint). Three least-squares fits, each
 with a physical meaning, on the runs' own predicted terms:
 
-- compute = FLOPs/peak / efficiency (the score matmuls at their roofline; the weight matmuls
+- compute = FLOPs/peak / efficiency (the score matmuls at their roofline: FLOPs over the peak or
+  bytes over the bandwidth, whichever binds, at that same efficiency; the weight matmuls
   slowed at small micro-batches by Hockney's n1/2) + element-wise bytes /
   (memory bandwidth x memory_efficiency) + per_layer_overhead x layers x micro-batches +
   all of it x (1 + contention x the share of the node's other cores busy) on CPU nodes, the weight
@@ -156,31 +157,23 @@ def _calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...
         error, fits = 0.0, {}
         for precision in sorted({t[0] for t in obs}):
             rows = [t for t in obs if t[0] == precision]
-            fit = [1.0, 0.0, 1.0, 0.0]  # 1/efficiency, n1/2/efficiency, 1/memory efficiency, per layer
-            pattern = None
-            for _ in range(20):  # the roofline's max() is fixed per run at the current fit
-                bounds = [bytes_s * fit[2] > fit[0] * scores_s for _, _, scores_s, bytes_s, *_ in rows]
-                if bounds == pattern:
-                    break
-                pattern = bounds
-                cols: list[list[float]] = [[], [], [], []]
-                for _, flops_s, scores_s, bytes_s, elementwise_s, passes, tokens, busy, _ in rows:
-                    bound = bytes_s * fit[2] > fit[0] * scores_s  # the score matmuls wait on memory
-                    k = 1 + contention * busy
-                    cols[0].append(k * (flops_s - scores_s if bound else flops_s))
-                    cols[1].append(k * (flops_s - scores_s) / tokens)
-                    cols[2].append(k * (elementwise_s + (bytes_s if bound else 0.0)))
-                    cols[3].append(k * passes)
-                use = [True, "half_rate" in terms, "memory" in terms, "per_layer" in terms]
-                a = np.stack([np.array(c) if on else np.zeros(len(c))
-                              for c, on in zip(cols, use, strict=True)], axis=1)
-                y = np.array([t[-1] for t in rows])
-                if not use[2]:  # held at the nominal bandwidth, not dropped: the model still counts it
-                    y = y - np.array(cols[2])
-                    fit[2] = 1.0
-                fit = _nnls(list(a.T), y) if len(rows) > 3 else _nnls([a[:, 0]], y) + [0.0, 0.0, 0.0]
-                if not use[2]:
-                    fit[2] = 1.0
+            cols: list[list[float]] = [[], [], [], []]  # 1/eff, n1/2/eff, 1/memory eff, per layer
+            for _, flops_s, scores_s, bytes_s, elementwise_s, passes, tokens, busy, _ in rows:
+                k = 1 + contention * busy
+                # the score matmuls at their roofline: FLOPs or bytes, both at the matmul efficiency
+                cols[0].append(k * (flops_s - scores_s + max(scores_s, bytes_s)))
+                cols[1].append(k * (flops_s - scores_s) / tokens)
+                cols[2].append(k * elementwise_s)
+                cols[3].append(k * passes)
+            use = [True, "half_rate" in terms, "memory" in terms, "per_layer" in terms]
+            a = np.stack([np.array(c) if on else np.zeros(len(c)) for c, on in zip(cols, use, strict=True)],
+                         axis=1)
+            y = np.array([t[-1] for t in rows])
+            if not use[2]:  # held at the nominal bandwidth, not dropped: the model still counts it
+                y = y - np.array(cols[2])
+            fit = _nnls(list(a.T), y) if len(rows) > 3 else _nnls([a[:, 0]], y) + [0.0, 0.0, 0.0]
+            if not use[2]:
+                fit[2] = 1.0
             fits[precision] = fit
             error += float(np.sum((a @ np.array(fit) - y) ** 2 / np.maximum(y, 1e-9) ** 2))
         return error, fits

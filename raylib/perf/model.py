@@ -6,7 +6,9 @@ pipeline-parallel degrees t and p):
 - compute: the model's training FLOPs (telemetry/flops.py: the count MFU uses) over the device's
   peak x a compute efficiency; the weight matmuls slowed by (1 + n1/2 / tokens per micro-batch)
   (Hockney's half-performance length: small matrices underuse the device), plus a per-layer
-  overhead per micro-batch (dispatch and launches). Tensor parallelism divides the FLOPs by t.
+  overhead per micro-batch (dispatch and launches). The attention score matmuls are batched GEMMs
+  at their roofline (their FLOPs over the peak or their bytes over the memory bandwidth, whichever
+  binds), at the same efficiency. Tensor parallelism divides the FLOPs by t.
 - element-wise work (LayerNorm, GELU, softmax, dropout, the loss): memory-bound, ~3x the
   activation bytes Korthikanti et al. count (written forward, read twice backward) over the memory
   bandwidth; fused kernels save FUSED_SAVING of it.
@@ -173,7 +175,9 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
     tokens_rank = w.micro_batch * micro * w.seq_len
     flops_rank = flops_token * tokens_rank / (tp * pp)
     # the attention score matmuls (QK^T, AV; per head s x d_h x s) are a roofline's: at small head
-    # widths they move more bytes per FLOP than the memory keeps up with on tensor cores
+    # widths they move more bytes per FLOP than the memory keeps up with on tensor cores. They are
+    # batched GEMMs: they reach the matmul efficiency of whichever roof binds, not the element-wise
+    # ops' memory efficiency (many small kernels, which the V100 fit puts at ~1/6 of the bandwidth)
     from raylib.telemetry.flops import forward_flops
 
     score_flops = 3 * forward_flops(w.config, w.seq_len, head=False)["attention_scores"] * tokens_rank
@@ -181,8 +185,8 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
     heads = w.shape.heads / tp
     score_bytes = 3 * layers / pp * w.micro_batch * micro * act_bytes * (
         4 * w.seq_len * h / tp + 2 * heads * w.seq_len ** 2)
+    score_s = max(score_flops / peak, score_bytes / (cluster.memory_gbs * 1e9)) / efficiency
     memory_rate = cluster.memory_gbs * 1e9 * cal.memory_efficiency
-    score_s = max(score_flops / (peak * efficiency), score_bytes / memory_rate)
     # the weight matmuls (tokens x h by h x h'): small ones underuse the device, by Hockney's n1/2
     tokens_micro = w.micro_batch * w.seq_len
     weight_s = (flops_rank - score_flops) / (peak * efficiency) * (1 + cal.half_rate_tokens / tokens_micro)

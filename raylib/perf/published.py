@@ -169,13 +169,15 @@ PUBLISHED: list[PublishedFigure] = [
 # their math limit (NVIDIA's "Matrix Multiplication Background" guide,
 # https://docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication/), and 0.8
 # leaves room for tile and wave quantisation. It is a stated round assumption, not fitted: every
-# check holds for any value from 0.75 to 0.9 (tests/unit/test_perf_published.py). What is slow in
+# check holds for any value from 0.75 to 0.9 (tests/unit/test_perf_published.py). The attention
+# score matmuls are GEMMs too: their bytes, which bind on tensor cores at head width 64, go at that
+# same share of the bandwidth (model.py), not at the fitted element-wise one. What is slow in
 # BERT training is the memory-bound LayerNorm, softmax, dropout and GELU, which hold a tiny share
 # of its FLOPs and a large share of its time (Ivanov et al., "Data Movement Is All You Need",
 # MLSys 2021, arXiv:2007.00072). Fitting a compute efficiency instead folded that time into the
 # matmuls, and could not say why V100's FP32 cores reach twice the share of their peak that its
 # tensor cores do (FP32 was then predicted ~40% slow): the element-wise time, twice the bytes in
-# FP32, is ~45% of a mixed-precision step but under a quarter of an FP32 one, beside its slow matmuls.
+# FP32, is ~55% of a mixed-precision step but under a quarter of an FP32 one, beside its slow matmuls.
 
 MATMUL_EFFICIENCY = 0.8
 FIT_TABLE = "July 2020"

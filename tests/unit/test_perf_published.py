@@ -64,6 +64,8 @@ def test_the_checks_do_not_hinge_on_the_assumed_matmul_efficiency(matmul):
     for acc in ("v100", "a100"):
         errs = errors(acc, matmul)
         assert all(abs(e) <= 0.20 for e in errs.values()), (acc, matmul, errs)
+    errs = deepspeed_errors(matmul)
+    assert len(errs) == 3 and all(abs(e) <= 0.20 for e in errs.values()), (matmul, errs)
 
 
 def test_the_fitted_element_wise_share_is_a_large_part_of_the_step():
@@ -86,7 +88,7 @@ def test_the_fitted_element_wise_share_is_a_large_part_of_the_step():
 DEEPSPEED_MICRO = {128: 64, 512: 8}
 
 
-def deepspeed_errors() -> dict[tuple, float]:
+def deepspeed_errors(matmul: float = MATMUL_EFFICIENCY) -> dict[tuple, float]:
     out = {}
     for f in PUBLISHED:
         if "deepspeed.ai" not in f.source:
@@ -94,22 +96,48 @@ def deepspeed_errors() -> dict[tuple, float]:
         w = bert_large_workload(f, micro_batch=DEEPSPEED_MICRO[f.seq_len], accumulation=10, kernels="fused",
                                 head=False)
         out[("tutorial" if f.source == DEEPSPEED_TUTORIAL else "blog", f.seq_len, f.samples_per_s)] = \
-            predict(w, fitted_cluster(f)).samples_per_s / f.samples_per_s - 1
+            predict(w, fitted_cluster(f, matmul)).samples_per_s / f.samples_per_s - 1
     return out
 
 
-def test_deepspeed_figures_tutorial_within_20_percent_record_kernels_are_not():
-    """The same V100 constant (fitted on NVIDIA's figure) predicts DeepSpeed's tutorial run (200
-    samples/s at seq 128) within 20%; DeepSpeed's record runs (272 and 52 samples/s: 64 and 53
-    TFLOPS, 51% and 42% of the tensor-core peak, against NVIDIA's code's 33%) are predicted ~21%
-    and ~29% slow: its hand-written kernels gain more than the model's fusion term (half the
-    element-wise bytes) credits. Recorded as a known miss (README), asserted so a change shows."""
+def test_deepspeed_figures_are_predicted_within_20_percent_with_the_nvidia_fit():
+    """The V100 constant fitted on NVIDIA's figure predicts DeepSpeed's three V100 figures: its
+    tutorial's 200 samples/s at seq 128 and its record runs' 272 and 52 samples/s (64 and 53
+    TFLOPS, 51% and 42% of the tensor-core peak, against NVIDIA's code's 33%). The record runs
+    are within 20% because the attention score matmuls run at a GEMM's efficiency of their
+    roofline: at the element-wise ops' fitted memory efficiency (~0.2) they were predicted ~21%
+    and ~29% slow, and NVIDIA's seq-512 figures ~18% slow."""
     errs = deepspeed_errors()
     assert len(errs) == 3, errs
-    tutorial = {k: e for k, e in errs.items() if k[0] == "tutorial"}
-    record = {k: e for k, e in errs.items() if k[0] == "blog"}
-    assert len(tutorial) == 1 and all(abs(e) <= 0.20 for e in tutorial.values()), tutorial
-    assert len(record) == 2 and all(-0.35 <= e <= -0.15 for e in record.values()), record
+    assert all(abs(e) <= 0.20 for e in errs.values()), errs
+    # the two DeepSpeed seq-128 figures differ by 36% for one described workload: a prediction
+    # within 20% of both must fall between them
+    assert errs[("tutorial", 128, 200)] > 0 > errs[("blog", 128, 272)]
+
+
+def test_score_matmuls_bind_on_memory_at_seq_512_and_run_at_the_matmul_efficiency():
+    """The term that moved the seq-512 figures: on V100's tensor cores, BERT-Large's score matmuls
+    (head width 64) are memory-bound, and their bytes go at the matmul efficiency x bandwidth,
+    whatever the element-wise efficiency."""
+    from raylib.perf.cluster import ClusterSpec
+
+    f = next(f for f in table("v100") if f.gpus == 1 and f.seq_len == 512 and f.precision == "fp16")
+    w = bert_large_workload(f)
+    cluster = fitted_cluster(f)
+    slow_elementwise = ClusterSpec.model_validate({**cluster.model_dump(), "calibration": {
+        **cluster.calibration.model_dump(), "memory_efficiency": cluster.calibration.memory_efficiency / 2}})
+    a, b = predict(w, cluster), predict(w, slow_elementwise)
+    assert a.parts_s["compute"] == pytest.approx(b.parts_s["compute"], rel=1e-9)
+    assert b.parts_s["elementwise"] == pytest.approx(2 * a.parts_s["elementwise"], rel=1e-9)
+    # with FLOPs free, the compute term left is the score matmuls' bytes, by hand: per layer and
+    # sequence, Q, K, V and the context (4 s h) and the scores and probabilities (2 heads s^2) in
+    # fp16, written or read once forward and twice backward
+    free = ClusterSpec.model_validate({**cluster.model_dump(), "peak_flops": {
+        p: v * 1e9 for p, v in cluster.peak_flops.items()}})
+    s, h, heads = 512, 1024, 16
+    score_bytes = 3 * 24 * w.micro_batch * w.accumulation * 2 * (4 * s * h + 2 * heads * s * s)
+    assert predict(w, free).parts_s["compute"] == pytest.approx(
+        score_bytes / (cluster.memory_gbs * 1e9 * MATMUL_EFFICIENCY), rel=1e-3)
 
 
 @pytest.mark.parametrize("name, acc", [("v100-dgx1-128.yaml", "v100"), ("a100-dgx-4nodes.yaml", "a100")])

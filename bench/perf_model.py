@@ -3,13 +3,15 @@
     flock /tmp/raylib-heavy.lock .venv/bin/python bench/perf_model.py          # ~12 min on 2 cores
     .venv/bin/python bench/perf_model.py --reuse runs/bench-perf/<stamp>   # refit; runs what is missing
 
-The demo job (jobs/configs/demo.yaml: masked-LM on the e-commerce corpus at seq 64, fp32, eager
-kernels, AdamW) read through one local cache tier, no checkpoints, at presets, ZeRO stages, world
-sizes and micro-batches from bert-tiny to bert-base. The CALIBRATION runs fit the model's terms
-(raylib/perf/calibrate.py: compute efficiency and per-layer overhead, memory efficiency, the
-input pipeline's host time, link and optimizer efficiency per ZeRO stage, latency, step overhead:
-so they cover every ZeRO stage and both world sizes); the HELD-OUT runs are other combinations of
-preset, ZeRO stage, world size and micro-batch, predicted, never fitted. Measured: summary.json's
+The demo job (jobs/configs/demo.yaml: masked-LM on the e-commerce corpus at seq 64, fp32 and
+eager kernels but in the three fused runs and the two bf16 ones, AdamW) read through one local
+cache tier, no checkpoints, at presets, ZeRO stages, world sizes and micro-batches from bert-tiny
+to bert-base. The CALIBRATION runs fit the model's terms (raylib/perf/calibrate.py: compute
+efficiency and per-layer overhead, memory efficiency, the input pipeline's host time, link and
+optimizer efficiency per ZeRO stage, latency, step overhead, the fused kernels' saving, bf16's
+efficiency: so they cover every ZeRO stage, both world sizes, both kernel modes and both
+precisions); the HELD-OUT runs are other combinations of preset, ZeRO stage, world size,
+micro-batch, kernels and precision, predicted, never fitted. Measured: summary.json's
 step_time_s (the median step). Target: every held-out prediction within 15% of its measured step
 (max |error| <= 0.15).
 
@@ -34,7 +36,9 @@ sys.path.insert(0, str(REPO))
 RESULTS = REPO / "bench/results"
 RUNS = REPO / "runs/bench-perf"
 
-# (label, preset, zero stage, workers, micro-batch, steps)
+# (label, preset, zero stage, workers, micro-batch, steps[, strategy fields: eager fp32 unless named]);
+# the fused runs give calibration.fused_saving (the share of the element-wise time raylib's fused
+# kernels save on this CPU, where it shows) and the bf16 runs bf16's compute efficiency
 CALIBRATION = [
     ("mini-z2-w2-mb16", "bert-mini", 2, 2, 16, 30),
     ("small-z2-w2-mb8", "bert-small", 2, 2, 8, 20),
@@ -46,6 +50,8 @@ CALIBRATION = [
     ("mini-z3-w2-mb8", "bert-mini", 3, 2, 8, 30),
     ("small-z2-w2-mb2", "bert-small", 2, 2, 2, 30),
     ("medium-z2-w2-mb4", "bert-medium", 2, 2, 4, 12),
+    ("small-z2-w2-mb8-fused", "bert-small", 2, 2, 8, 20, {"kernels": "fused"}),
+    ("small-z2-w2-mb8-bf16", "bert-small", 2, 2, 8, 20, {"precision": "bf16"}),
 ]
 HELD_OUT = [
     ("medium-z1-w2-mb16", "bert-medium", 1, 2, 16, 12),
@@ -54,14 +60,18 @@ HELD_OUT = [
     ("mini-z2-w1-mb32", "bert-mini", 2, 1, 32, 20),
     ("tiny-z2-w2-mb32", "bert-tiny", 2, 2, 32, 40),
     ("base-z2-w1-mb8", "bert-base", 2, 1, 8, 8),
+    ("mini-z1-w2-mb16-fused", "bert-mini", 1, 2, 16, 20, {"kernels": "fused"}),
+    ("medium-z0-w2-mb8-fused", "bert-medium", 0, 2, 8, 12, {"kernels": "fused"}),
+    ("medium-z1-w2-mb8-bf16", "bert-medium", 1, 2, 8, 12, {"precision": "bf16"}),
 ]
 
 
-def job(label: str, preset: str, zero: int, workers: int, micro: int, steps: int, out: Path) -> dict:
+def job(label: str, preset: str, zero: int, workers: int, micro: int, steps: int, extra: dict | None = None,
+        *, out: Path) -> dict:
     tier = Path(tempfile.mkdtemp(prefix="perf-tier-"))
     return demo_job(label, out, tier, steps, model={"preset": preset},
                     strategy={"zero_stage": zero, "micro_batch_size": micro,
-                              "lr_schedule": {"type": "constant"}},
+                              "lr_schedule": {"type": "constant"}, **(extra or {})},
                     scaling={"num_workers": workers})
 
 

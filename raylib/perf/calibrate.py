@@ -16,6 +16,9 @@ with a physical meaning, on the runs' own predicted terms:
 - communication = ring bytes / (link bandwidth x comm_efficiency) + ring steps x latency x scale,
   with each ZeRO stage's own bandwidth efficiency when the runs cover several (its reduction is a
   different implementation: one all-reduce at ZeRO-0, bucketed reductions per micro-batch at 2);
+- fused_saving (fused or compiled kernels' share of the element-wise time saved): the compute
+  terms are fitted on the eager runs; then, on the fused runs, what that fit predicts less what
+  they measured, over the element-wise time it predicts (least squares);
 - step_overhead = the median of what is left of the step (never negative).
 
 Non-negative least squares (a column fitted negative is dropped and the rest refitted): a noisy
@@ -31,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from raylib.perf.cluster import Calibration, ClusterSpec
-from raylib.perf.model import Workload, predict
+from raylib.perf.model import FUSED_KERNELS, Workload, predict
 
 
 @dataclass
@@ -78,6 +81,8 @@ def _nnls(columns: list[np.ndarray], y: np.ndarray) -> list[float]:
 # memory efficiency, the per-layer overhead. Which of them the runs support is chosen by
 # leave-one-out prediction error over the runs themselves (never over runs scored later).
 OPTIONAL_TERMS = ("half_rate", "memory", "per_layer")
+MIN_ELEMENTWISE_SHARE = 0.05
+"""The element-wise share of the fused runs' compute below which their saving is not fitted."""
 
 
 def calibrate(runs: list[Measured], cluster: ClusterSpec,
@@ -99,7 +104,10 @@ def select_terms(runs: list[Measured], cluster: ClusterSpec) -> tuple[str, ...]:
     def loo(terms: tuple[str, ...]) -> float:
         errors = []
         for i, held in enumerate(runs):
-            fitted = replace_cal(cluster, _calibrate(runs[:i] + runs[i + 1:], cluster, terms))
+            rest = runs[:i] + runs[i + 1:]
+            if held.workload.strategy.precision not in {r.workload.strategy.precision for r in rest}:
+                continue  # the only run of its precision: the others cannot predict it
+            fitted = replace_cal(cluster, _calibrate(rest, cluster, terms))
             errors.append(abs(predict(held.workload, fitted).step_s / held.step_s - 1))
         return statistics.mean(errors)
 
@@ -139,8 +147,11 @@ def _calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...
     unlimited = cluster.model_copy(update={"memory_bandwidth_gbs": 1e12, "calibration": unit})
     peaks = base.peak_flops if base.peak_flops is not None else base.row.peak_flops
     instant = base.model_copy(update={"peak_flops": {p: v * 1e12 for p, v in peaks.items()}})
+    # the compute terms from the eager runs: fused ones save a share of the element-wise time that
+    # is fitted afterwards, from what the eager fit predicts for them
+    plain = [r for r in runs if r.workload.strategy.kernels not in FUSED_KERNELS] or runs
     obs = []
-    for r in runs:
+    for r in plain:
         w = r.workload
         at_memory = predict(w, base)
         flops_s = predict(w, unlimited).parts_s["compute"]  # every matmul at the peak
@@ -154,8 +165,14 @@ def _calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...
                       cluster.busy_share(min(cluster.per_node, w.world)), r.parts_s["compute"]))
 
     def fit_compute(contention: float) -> tuple[float, dict[str, list[float]]]:
+        """Per precision: [1/efficiency, n1/2/efficiency, 1/memory efficiency, per-layer overhead].
+        The precision with the most runs fits them all; one with 3 runs or fewer fits only its
+        efficiency, the other terms (n1/2, the element-wise memory efficiency, the per-layer
+        overhead: the device's, not the precision's) held at that fit."""
         error, fits = 0.0, {}
-        for precision in sorted({t[0] for t in obs}):
+        by_count = sorted({t[0] for t in obs}, key=lambda p: (-sum(t[0] == p for t in obs), p))
+        shared: list[float] | None = None  # [n1/2, 1/memory efficiency, per layer] of the main fit
+        for precision in by_count:
             rows = [t for t in obs if t[0] == precision]
             cols: list[list[float]] = [[], [], [], []]  # 1/eff, n1/2/eff, 1/memory eff, per layer
             for _, flops_s, scores_s, bytes_s, elementwise_s, passes, tokens, busy, _ in rows:
@@ -171,9 +188,16 @@ def _calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...
             y = np.array([t[-1] for t in rows])
             if not use[2]:  # held at the nominal bandwidth, not dropped: the model still counts it
                 y = y - np.array(cols[2])
-            fit = _nnls(list(a.T), y) if len(rows) > 3 else _nnls([a[:, 0]], y) + [0.0, 0.0, 0.0]
-            if not use[2]:
-                fit[2] = 1.0
+            if len(rows) > 3 and shared is None:
+                fit = _nnls(list(a.T), y)
+                if not use[2]:
+                    fit[2] = 1.0
+                shared = [fit[1] / fit[0] if fit[0] > 0 else 0.0, fit[2], fit[3]]
+            else:
+                half, inv_memory, per_layer = shared or [0.0, 1.0, 0.0]
+                known = (a[:, 2] * inv_memory if use[2] else 0.0) + a[:, 3] * per_layer
+                (inv_eff,) = _nnls([a[:, 0] + half * a[:, 1]], y - known)
+                fit = [inv_eff, half * inv_eff, inv_memory, per_layer]
             fits[precision] = fit
             error += float(np.sum((a @ np.array(fit) - y) ** 2 / np.maximum(y, 1e-9) ** 2))
         return error, fits
@@ -194,6 +218,14 @@ def _calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...
     inv_memory = statistics.mean(f[2] for f in fits.values())
     memory_efficiency = min(1.0, 1.0 / inv_memory) if inv_memory > 0 else 1.0
     per_layer = [f[3] for f in fits.values()]
+    compute_fit = unit.model_copy(update={
+        "compute_efficiency": efficiency, "half_rate_tokens": half_rate, "contention": contention,
+        "memory_efficiency": memory_efficiency, "per_layer_overhead_s": statistics.mean(per_layer),
+        "fused_saving": 0.0})
+    fused = [r for r in runs if r.workload.strategy.kernels in FUSED_KERNELS] if plain is not runs else []
+    fused_saving = fit_fused_saving(fused, replace_cal(cluster, compute_fit))
+    if fused_saving is None:
+        fused_saving = cluster.calibration.fused_saving
 
     # communication -> bandwidth efficiency, latency scale
     comm_runs = [r for r in runs if r.workload.dp > 1 or r.workload.strategy.tensor_parallel > 1]
@@ -223,6 +255,7 @@ def _calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...
                          comm_efficiency=comm_efficiency, latency_scale=latency_scale,
                          memory_efficiency=memory_efficiency, optimizer_efficiency=optimizer_efficiency,
                          contention=contention, half_rate_tokens=half_rate, by_zero_stage=by_stage,
+                         fused_saving=fused_saving,
                          overlap=cluster.calibration.overlap,
                          step_overhead_s=0.0, source=f"calibrated on {len(runs)} run(s) (terms: "
                          f"efficiency{''.join(', ' + t for t in terms)}): "
@@ -230,6 +263,23 @@ def _calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...
     with_fit = replace_cal(cluster, fitted)
     rest = [r.step_s - predict(r.workload, with_fit).step_s for r in runs]
     return fitted.model_copy(update={"step_overhead_s": max(0.0, statistics.median(rest))})
+
+
+def fit_fused_saving(fused_runs: list[Measured], eager_fit: ClusterSpec) -> float | None:
+    """The share of the element-wise time fused kernels save, least squares over the fused runs:
+    what the eager fit predicts for their compute, less what they measured, over the element-wise
+    time it predicts. None without fused runs, or where that element-wise time is under
+    MIN_ELEMENTWISE_SHARE of their compute: a saving of a few percent of a step is within a
+    run's noise, and dividing by it would make the fit say anything."""
+    if not fused_runs:
+        return None
+    predicted = [predict(r.workload, eager_fit).parts_s for r in fused_runs]
+    x = np.array([p["elementwise"] for p in predicted])
+    total = np.array([p["compute"] + p["elementwise"] for p in predicted])
+    if x.sum() < MIN_ELEMENTWISE_SHARE * total.sum():
+        return None
+    y = total - np.array([r.parts_s["compute"] for r in fused_runs])
+    return float(np.clip(x @ y / (x @ x), -1.0, 0.95))
 
 
 def score_flops_s(w: Workload, cluster: ClusterSpec) -> float:

@@ -11,7 +11,7 @@ pipeline-parallel degrees t and p):
   binds), at the same efficiency. Tensor parallelism divides the FLOPs by t.
 - element-wise work (LayerNorm, GELU, softmax, dropout, the loss): memory-bound, ~3x the
   activation bytes Korthikanti et al. count (written forward, read twice backward) over the memory
-  bandwidth; fused kernels save FUSED_SAVING of it.
+  bandwidth; fused kernels save calibration.fused_saving of it (stated 0.5, or fitted on fused runs).
 - communication, ring collectives (Patarasuk & Yuan): an all-reduce moves 2(n-1)/n x B per rank,
   a reduce-scatter or all-gather (n-1)/n x B, at the bandwidth of the outermost topology level the
   ring crosses (cluster.level_for: raylib's planner packs a group into the smallest unit, a
@@ -52,9 +52,9 @@ from typing import Any
 
 from raylib.perf.cluster import ClusterSpec, stage_value
 
-FUSED_SAVING = 0.5  # fused LayerNorm/GELU/dropout-add/cross-entropy: ~half the element-wise bytes
 ADAM_BYTES_PER_PARAM = 16  # fp32 param, grad, m, v read + param, m, v written, ~16 B after caching
 BACKWARD_SHARE = 2 / 3
+FUSED_KERNELS = ("fused", "compile")  # the kernel modes calibration.fused_saving applies to
 PARTS = ("compute", "elementwise", "communication", "optimizer", "data_wait", "checkpoint", "overhead")
 
 
@@ -199,8 +199,8 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
     one = s.model_copy(update={"pipeline_parallel": 1, "gradient_accumulation_steps": 1})
     activations = _activations(w.shape, one) / pp
     elementwise = 3 * activations * micro / memory_rate
-    if s.kernels in ("fused", "compile"):
-        elementwise *= 1 - FUSED_SAVING
+    if s.kernels in FUSED_KERNELS:
+        elementwise *= 1 - cal.fused_saving
     # a CPU node's cores share memory bandwidth and caches: a rank computes slower beside busy peers
     shared = 1 + cal.contention * cluster.busy_share(min(cluster.per_node, w.world))
     compute, elementwise = compute * shared, elementwise * shared

@@ -222,34 +222,44 @@ def test_calibration_recovers_known_parameters_from_synthetic_measurements():
     records), on a CPU node whose 2 cores are its 2 devices (a 2-rank run computes slower by the
     contention of the shared cores, a 1-rank run does not; small micro-batches run their matmuls
     below the large-matrix rate), are fitted back to those parameters."""
-    truth = Calibration(compute_efficiency={"fp32": 0.37}, per_layer_overhead_s=2e-4, comm_efficiency=0.6,
+    truth = Calibration(compute_efficiency={"fp32": 0.37, "bf16": 0.61}, per_layer_overhead_s=2e-4,
+                        comm_efficiency=0.6,
                         latency_scale=3.0, memory_efficiency=0.4, optimizer_efficiency=0.3,
-                        contention=0.3537, half_rate_tokens=300.0, overlap=0.0, step_overhead_s=0.01)
+                        contention=0.3537, half_rate_tokens=300.0, overlap=0.0, step_overhead_s=0.01,
+                        fused_saving=0.2)
     node = {"accelerator": "cpu", "devices": 2, "devices_per_node": 2, "host_cores_per_node": 2,
-            "peak_flops": {"fp32": 1e11}, "memory_bandwidth_gbs": 20,
+            "peak_flops": {"fp32": 1e11, "bf16": 2e11}, "memory_bandwidth_gbs": 20,
             "levels": [{"name": "host", "bandwidth_gbs": 2, "latency_us": 30}]}
     true_cluster = ClusterSpec.model_validate({**node, "calibration": truth.model_dump()})
     small = BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
                        vocab_size=1000)
     runs = []
-    for config, layers, hidden, world, micro, seq, zero in [
-            (BERT_LARGE, 24, 1024, 2, 4, 128, 2), (BERT_LARGE, 24, 1024, 1, 8, 64, 0),
-            (small, 4, 256, 2, 32, 64, 1), (small, 4, 256, 1, 16, 256, 2), (small, 4, 256, 2, 8, 512, 0),
-            (BERT_LARGE, 24, 1024, 2, 16, 32, 1)]:
+    for config, layers, hidden, world, micro, seq, zero, kernels, precision in [
+            (BERT_LARGE, 24, 1024, 2, 4, 128, 2, "eager", "fp32"),
+            (BERT_LARGE, 24, 1024, 1, 8, 64, 0, "eager", "fp32"),
+            (small, 4, 256, 2, 32, 64, 1, "eager", "fp32"), (small, 4, 256, 1, 16, 256, 2, "eager", "fp32"),
+            (small, 4, 256, 2, 8, 512, 0, "eager", "fp32"),
+            (BERT_LARGE, 24, 1024, 2, 16, 32, 1, "eager", "fp32"),
+            (small, 4, 256, 2, 16, 512, 2, "fused", "fp32"), (small, 4, 256, 1, 8, 256, 1, "fused", "fp32"),
+            # two bf16 runs: too few to fit every term, so only bf16's efficiency (the rest is the
+            # device's, fitted on the fp32 runs)
+            (small, 4, 256, 2, 16, 128, 2, "eager", "bf16"),
+            (BERT_LARGE, 24, 1024, 1, 4, 64, 1, "eager", "bf16")]:
         shape = ModelShape(params=12 * layers * hidden ** 2 + 1000 * hidden,
                            largest_module_params=hidden ** 2, layers=layers, hidden=hidden,
                            heads=hidden // 64, intermediate=4 * hidden,
                            vocab=1000, seq_len=seq)
-        s = StrategySpec(zero_stage=zero, precision="fp32", micro_batch_size=micro)
+        s = StrategySpec(zero_stage=zero, precision=precision, micro_batch_size=micro, kernels=kernels)
         w = Workload(config=config, shape=shape, strategy=s, world=world, micro_batch=micro,
                      accumulation=1, seq_len=seq)
         p = predict(w, true_cluster)
         parts = {"compute": p.parts_s["compute"] + p.parts_s["elementwise"],
                  "communication": p.parts_s["communication"], "optimizer": p.parts_s["optimizer"],
                  "data_wait": 0.0, "checkpoint": 0.0}
-        runs.append(Measured(w, p.step_s, parts, f"w{world}-s{seq}"))
+        runs.append(Measured(w, p.step_s, parts, f"w{world}-s{seq}-{kernels}-{precision}"))
     fitted = calibrate(runs, ClusterSpec.model_validate(node), terms=OPTIONAL_TERMS)
     assert fitted.compute_efficiency["fp32"] == pytest.approx(0.37, rel=1e-6)
+    assert fitted.compute_efficiency["bf16"] == pytest.approx(0.61, rel=1e-6)
     assert fitted.per_layer_overhead_s == pytest.approx(2e-4, rel=1e-6)
     assert fitted.memory_efficiency == pytest.approx(0.4, rel=1e-6)
     assert fitted.optimizer_efficiency == pytest.approx(0.3, rel=1e-6)
@@ -258,6 +268,11 @@ def test_calibration_recovers_known_parameters_from_synthetic_measurements():
     assert fitted.comm_efficiency == pytest.approx(0.6, rel=1e-6)
     assert fitted.latency_scale == pytest.approx(3.0, rel=1e-6)
     assert fitted.step_overhead_s == pytest.approx(0.01, rel=1e-6)
+    # the fused runs' saving is fitted on what the eager runs' fit predicts for them
+    assert fitted.fused_saving == pytest.approx(0.2, rel=1e-5)
+    eager_only = calibrate([r for r in runs if r.workload.strategy.kernels == "eager"],
+                           ClusterSpec.model_validate(node), terms=OPTIONAL_TERMS)
+    assert eager_only.fused_saving == Calibration().fused_saving  # no fused run: the stated default
     # with no terms named, leave-one-out over the runs picks them: exact data has no error to
     # choose by, so the choice must predict every run as well as the truth does
     chosen = select_terms(runs, ClusterSpec.model_validate(node))
@@ -266,6 +281,28 @@ def test_calibration_recovers_known_parameters_from_synthetic_measurements():
     refit = ClusterSpec.model_validate({**node, "calibration": loo_fit.model_dump()})
     for r in runs:
         assert predict(r.workload, refit).step_s == pytest.approx(r.step_s, rel=0.02), r.label
+
+
+def test_a_fused_saving_too_small_to_see_in_the_step_is_not_fitted():
+    """Where the element-wise time is a sliver of the fused runs' compute (memory nearly free),
+    a measured difference would be divided by ~0: the fit keeps the stated default instead; where
+    it is a large share, the same measured speed-up gives the saving."""
+    from raylib.perf.calibrate import fit_fused_saving
+
+    def with_saving(c: ClusterSpec, saving: float) -> ClusterSpec:
+        return c.model_copy(update={"calibration": c.calibration.model_copy(update={"fused_saving": saving})})
+
+    def fused_run(c: ClusterSpec, saving: float) -> Measured:
+        w = workload(world=1, kernels="fused")
+        p = predict(w, with_saving(c, saving))
+        return Measured(w, p.step_s, {"compute": p.parts_s["compute"] + p.parts_s["elementwise"]})
+
+    def eager_fit(c: ClusterSpec) -> ClusterSpec:
+        return with_saving(c, 0.0)
+    free_memory = cluster(memory_bandwidth_gbs=1e6)
+    assert fit_fused_saving([fused_run(free_memory, 0.3)], eager_fit(free_memory)) is None
+    slow_memory = cluster(memory_bandwidth_gbs=50)
+    assert fit_fused_saving([fused_run(slow_memory, 0.3)], eager_fit(slow_memory)) == pytest.approx(0.3)
 
 
 def test_the_briefs_network_example_16x_bandwidth_takes_communication_from_35_to_about_4_percent():
@@ -356,7 +393,7 @@ def test_calibration_names_a_run_measured_on_a_busy_machine():
     truth = Calibration(compute_efficiency={"fp32": 0.5}, comm_efficiency=0.5, latency_scale=1.0,
                         memory_efficiency=0.5, optimizer_efficiency=0.3, overlap=0.0, step_overhead_s=0.0)
     node = {"accelerator": "cpu", "devices": 2, "devices_per_node": 2, "host_cores_per_node": 2,
-            "peak_flops": {"fp32": 1e11}, "memory_bandwidth_gbs": 20,
+            "peak_flops": {"fp32": 1e11, "bf16": 2e11}, "memory_bandwidth_gbs": 20,
             "levels": [{"name": "host", "bandwidth_gbs": 2, "latency_us": 30}]}
     true_cluster = ClusterSpec.model_validate({**node, "calibration": truth.model_dump()})
     runs = []

@@ -38,6 +38,15 @@ def dataset_index(spec):
                         special_ids={"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}, shards=[])
 
 
+def head_fraction(spec, config) -> float:
+    """The share of the tokens the LM head runs on: raylib's fused kernels (fused, auto) project and
+    score a BERT masked LM's labelled rows only, where no tensor parallelism shards the head
+    (raylib.ops.patch._lm_head); every other head runs on every token."""
+    fused_head = (spec.task.type == "masked_lm" and getattr(config, "model_type", "") == "bert"
+                  and spec.strategy.kernels in ("fused", "auto") and spec.strategy.tensor_parallel == 1)
+    return spec.task.mlm_probability if fused_head else 1.0
+
+
 def workload_of(spec, index=None) -> Workload:
     """The model's view of a JobSpec (its model built on the meta device: no memory, no download)."""
     from raylib.spec import resolve_batch
@@ -52,6 +61,7 @@ def workload_of(spec, index=None) -> Workload:
     return Workload(config=config, shape=shape, strategy=s, world=spec.world_size, micro_batch=micro,
                     accumulation=accum, seq_len=index.seq_len,
                     head=spec.task.type in ("masked_lm", "causal_lm"),
+                    head_fraction=head_fraction(spec, config),
                     bytes_per_sample=index.seq_len * BYTES_PER_TOKEN, data_tier="cold",
                     prefetch=spec.data.prefetch_batches > 0,
                     checkpoint_interval=spec.checkpoint.interval_steps,

@@ -74,6 +74,10 @@ class Workload:
     seq_len: int
     head: bool = True
     """The LM head runs on every token (language models), not a classifier's one per sequence."""
+    head_fraction: float = 1.0
+    """The share of the tokens the LM head's step runs on: 1, or a masked LM's masked share where
+    fused kernels project and score only the labelled rows (raylib.ops: BERT's masked-LM head;
+    DeepSpeed's BERT). MFU still counts the head on every token, as the telemetry does."""
     bytes_per_sample: float = 0.0
     """Bytes read from storage per training sample."""
     data_tier: str | None = None
@@ -171,9 +175,13 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
     h, layers = w.shape.hidden, w.shape.layers
 
     # compute (a rank's share: its micro-batches, 1/tp of each matmul, 1/pp of the layers)
-    flops_token = train_flops_per_token(w.config, w.seq_len, fraction, head=w.head)
+    flops_token = train_flops_per_token(w.config, w.seq_len, fraction, head=w.head)  # what MFU counts
+    run_token = flops_token  # what the step runs: the head on head_fraction of the tokens
+    if w.head and w.head_fraction < 1:
+        body = train_flops_per_token(w.config, w.seq_len, fraction, head=False)
+        run_token = body + w.head_fraction * (flops_token - body)
     tokens_rank = w.micro_batch * micro * w.seq_len
-    flops_rank = flops_token * tokens_rank / (tp * pp)
+    flops_rank = run_token * tokens_rank / (tp * pp)
     # the attention score matmuls (QK^T, AV; per head s x d_h x s) are a roofline's: at small head
     # widths they move more bytes per FLOP than the memory keeps up with on tensor cores. They are
     # batched GEMMs: they reach the matmul efficiency of whichever roof binds, not the element-wise
@@ -194,10 +202,13 @@ def predict(w: Workload, cluster: ClusterSpec) -> Prediction:
     # element-wise traffic: the tuner's activation bytes of one micro-batch (its 16-bit-unit count)
     # through this stage's layers / pp; one in flight, so the tuner's schedule (in-flight) scaling,
     # which is memory held, not bytes moved, drops out
-    from raylib.tune.memory import _activations
+    from raylib.tune.memory import _activations, logits_bytes
 
     one = s.model_copy(update={"pipeline_parallel": 1, "gradient_accumulation_steps": 1})
-    activations = _activations(w.shape, one) / pp
+    activations = _activations(w.shape, one)
+    if w.head:  # the logits of the rows the head skips are never written
+        activations -= (1 - w.head_fraction) * logits_bytes(w.shape, w.micro_batch)
+    activations /= pp
     elementwise = 3 * activations * micro / memory_rate
     if s.kernels in FUSED_KERNELS:
         elementwise *= 1 - cal.fused_saving

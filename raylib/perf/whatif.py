@@ -17,7 +17,7 @@ from typing import Any
 
 from raylib.perf.cluster import ClusterSpec
 from raylib.perf.model import Workload, compression_ratio, predict
-from raylib.perf.published import MATMUL_EFFICIENCY, fitted_memory_efficiency
+from raylib.perf.published import MATMUL_EFFICIENCY, fitted_memory_efficiency, published_calibration
 
 BASELINE_DATA_WAIT = 0.6
 SEQ, MICRO = 128, 32
@@ -52,8 +52,7 @@ def _cluster(placement: str) -> ClusterSpec:
                    {"name": "leaf", "devices": 32, "bandwidth_gbs": 6.25, "latency_us": 5},
                    {"name": "spine", "devices": None, "bandwidth_gbs": 6.25, "latency_us": 8}],
         "tiers": [{"name": "cold", "read_gbs": 2.0}],
-        "calibration": {"compute_efficiency": {"fp32": MATMUL_EFFICIENCY, "fp16": MATMUL_EFFICIENCY},
-                        "memory_efficiency": fitted_memory_efficiency("v100")},
+        "calibration": published_calibration("v100").model_dump(),
     })
 
 
@@ -93,7 +92,9 @@ def bert_large_case() -> dict[str, Any]:
             f"the baseline's synchronous input waits {BASELINE_DATA_WAIT:.0%} of its step (the brief: GPUs "
             f"below 40% utilised waiting for data): {host_s * 1e3:.2f} ms host time per sample",
             f"V100 element-wise efficiency {fitted_memory_efficiency('v100'):.3f} (fitted on NVIDIA's "
-            f"published 1-GPU figure), matmuls at {MATMUL_EFFICIENCY} of the peak",
+            f"published 1-GPU figure), matmuls at {MATMUL_EFFICIENCY} of the peak, "
+            f"{published_calibration('v100').per_layer_overhead_s * 1e3:.2f} ms of kernel launches a layer "
+            "and micro-batch",
             "network: DGX-1 nodes (NVLink 150 GB/s per GPU, 4 x 100 Gb/s EDR per node: 6.25 GB/s per GPU) "
             "on a non-blocking fat tree, leaves of 4 nodes; spread placement crosses the spine at every hop",
             "same price per device-hour before and after: cost scales with the step time",

@@ -159,6 +159,11 @@ def optimizer_state_bytes(trainable: int, strategy, world: int = 1) -> int:
     return total // world if strategy.zero_stage >= 1 else total
 
 
+def logits_bytes(shape: ModelShape, micro_batch: int) -> int:
+    """The LM head's fp32 logits of a micro-batch and their gradient."""
+    return 2 * 4 * shape.seq_len * micro_batch * shape.vocab
+
+
 def _activations(shape: ModelShape, s) -> int:
     b, sl, h, a = s.micro_batch_size, shape.seq_len, shape.hidden, shape.heads
     t = s.tensor_parallel
@@ -167,7 +172,7 @@ def _activations(shape: ModelShape, s) -> int:
     # dropout masks) stays whole under tensor parallelism and the rest divides by tp; it assumes a
     # 4h MLP (16 of the 34), whose share scales with the MLP's width
     per_layer = sl * b * (10 * h + (8 * h + 4 * shape.intermediate + 5 * a * sl) // t) * half_bytes
-    logits = 2 * 4 * sl * b * shape.vocab
+    logits = logits_bytes(shape, b)
     # 1F1B: a stage holds its layers / pp for up to pp micro-batches in flight (the first stage);
     # GPipe: for all m
     pp, m = s.pipeline_parallel, s.gradient_accumulation_steps

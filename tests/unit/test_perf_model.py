@@ -188,6 +188,32 @@ def test_a_compressor_with_error_feedback_reduces_once_a_step_at_zero2():
     assert comm(2, error_feedback=False) > 2 * comm(2)
 
 
+def test_a_fused_masked_lm_head_runs_on_the_masked_rows_only_and_mfu_still_counts_every_token():
+    """raylib's fused kernels project and score a BERT masked LM's labelled rows only
+    (head_fraction): the step loses 85% of the head's FLOPs and of its logits' bytes, by hand;
+    the MFU's model FLOPs stay the head on every token, as the telemetry counts them."""
+    from raylib.perf.estimate import head_fraction
+    from raylib.spec import JobSpec
+    from raylib.tune.memory import logits_bytes
+
+    c = cluster(memory_bandwidth_gbs=1000)
+    every, masked = workload(world=1), workload(world=1)
+    masked.head_fraction = 0.15
+    a, b = predict(every, c), predict(masked, c)
+    head = train_flops_per_token(BERT_LARGE, 128) - train_flops_per_token(BERT_LARGE, 128, head=False)
+    assert a.parts_s["compute"] - b.parts_s["compute"] == pytest.approx(0.85 * head * 32 * 128 / 312e12)
+    assert a.parts_s["elementwise"] - b.parts_s["elementwise"] == pytest.approx(
+        3 * 0.85 * logits_bytes(LARGE_SHAPE, 32) / 1000e9)
+    assert a.flops_per_step == b.flops_per_step
+    # which jobs run it so: BERT masked LM with fused (or auto) kernels and an unsharded head
+    bert = BertConfig()
+    spec = {"model": {"family": "bert"}, "task": {"type": "masked_lm", "mlm_probability": 0.2}}
+    assert head_fraction(JobSpec.from_dict({**spec, "strategy": {"kernels": "fused"}}), bert) == 0.2
+    assert head_fraction(JobSpec.from_dict({**spec, "strategy": {"kernels": "eager"}}), bert) == 1.0
+    assert head_fraction(JobSpec.from_dict({**spec, "strategy": {"kernels": "compile"}}), bert) == 1.0
+    assert head_fraction(JobSpec.from_dict({**spec, "strategy": {"kernels": "fused"}}), GPT2Config()) == 1.0
+
+
 def test_prefetch_hides_data_loading_behind_the_step():
     c = cluster(tiers=[{"name": "cold", "read_gbs": 0.001}])
     w = workload(8)

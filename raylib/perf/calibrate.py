@@ -16,9 +16,11 @@ with a physical meaning, on the runs' own predicted terms:
 - communication = ring bytes / (link bandwidth x comm_efficiency) + ring steps x latency x scale,
   with each ZeRO stage's own bandwidth efficiency when the runs cover several (its reduction is a
   different implementation: one all-reduce at ZeRO-0, bucketed reductions per micro-batch at 2);
-- fused_saving (fused or compiled kernels' share of the element-wise time saved): the compute
-  terms are fitted on the eager runs; then, on the fused runs, what that fit predicts less what
-  they measured, over the element-wise time it predicts (least squares);
+- fused_saving (fused, auto or compiled kernels' share of the element-wise time saved): the
+  compute terms are fitted on the eager runs (and on the fused runs of a precision no eager run
+  covers, at the cluster's stated saving); then, on the other fused runs, what that fit predicts
+  less what they measured, over the element-wise time it predicts (least squares; not where that
+  time is too small to see);
 - step_overhead = the median of what is left of the step (never negative).
 
 Non-negative least squares (a column fitted negative is dropped and the rest refitted): a noisy
@@ -120,7 +122,7 @@ def _calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...
     unit = Calibration(compute_efficiency={p: 1.0 for p in ("fp32", "fp16", "bf16", "tf32")},
                        per_layer_overhead_s=0.0, comm_efficiency=1.0, latency_scale=1.0,
                        memory_efficiency=1.0, optimizer_efficiency=1.0, contention=0.0,
-                       step_overhead_s=0.0, overlap=0.0)
+                       step_overhead_s=0.0, overlap=0.0, fused_saving=cluster.calibration.fused_saving)
     base = replace_cal(cluster, unit)
 
     # optimizer -> optimizer efficiency, overall and per ZeRO stage
@@ -147,9 +149,13 @@ def _calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...
     unlimited = cluster.model_copy(update={"memory_bandwidth_gbs": 1e12, "calibration": unit})
     peaks = base.peak_flops if base.peak_flops is not None else base.row.peak_flops
     instant = base.model_copy(update={"peak_flops": {p: v * 1e12 for p, v in peaks.items()}})
-    # the compute terms from the eager runs: fused ones save a share of the element-wise time that
-    # is fitted afterwards, from what the eager fit predicts for them
-    plain = [r for r in runs if r.workload.strategy.kernels not in FUSED_KERNELS] or runs
+    # the compute terms from the eager runs, and from the fused runs of a precision no eager run
+    # covers (at the cluster's stated saving); the other fused runs' saving is fitted afterwards,
+    # from what the eager fit predicts for them
+    eager = {r.workload.strategy.precision for r in runs if r.workload.strategy.kernels not in FUSED_KERNELS}
+    fused = [r for r in runs if r.workload.strategy.kernels in FUSED_KERNELS
+             and r.workload.strategy.precision in eager]
+    plain = [r for r in runs if all(r is not f for f in fused)]
     obs = []
     for r in plain:
         w = r.workload
@@ -166,9 +172,9 @@ def _calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...
 
     def fit_compute(contention: float) -> tuple[float, dict[str, list[float]]]:
         """Per precision: [1/efficiency, n1/2/efficiency, 1/memory efficiency, per-layer overhead].
-        The precision with the most runs fits them all; one with 3 runs or fewer fits only its
-        efficiency, the other terms (n1/2, the element-wise memory efficiency, the per-layer
-        overhead: the device's, not the precision's) held at that fit."""
+        The precision with the most runs fits them all (if it has more than 3 runs; else n1/2 0,
+        the nominal bandwidth and no per-layer overhead); every other precision fits only its
+        efficiency, the other terms (the device's, not the precision's) held at that fit."""
         error, fits = 0.0, {}
         by_count = sorted({t[0] for t in obs}, key=lambda p: (-sum(t[0] == p for t in obs), p))
         shared: list[float] | None = None  # [n1/2, 1/memory efficiency, per layer] of the main fit
@@ -222,7 +228,6 @@ def _calibrate(runs: list[Measured], cluster: ClusterSpec, terms: tuple[str, ...
         "compute_efficiency": efficiency, "half_rate_tokens": half_rate, "contention": contention,
         "memory_efficiency": memory_efficiency, "per_layer_overhead_s": statistics.mean(per_layer),
         "fused_saving": 0.0})
-    fused = [r for r in runs if r.workload.strategy.kernels in FUSED_KERNELS] if plain is not runs else []
     fused_saving = fit_fused_saving(fused, replace_cal(cluster, compute_fit))
     if fused_saving is None:
         fused_saving = cluster.calibration.fused_saving

@@ -76,7 +76,7 @@ class Calibration(_Section):
     step_overhead_s: float = Field(0.0, ge=0)
     """Per step: what no term models (Python, hooks, the host)."""
     fused_saving: float = Field(0.5, ge=-1, lt=1)
-    """The share of the element-wise time that fused kernels (strategy.kernels fused or compile)
+    """The share of the element-wise time that fused kernels (strategy.kernels fused, auto, compile)
     save. 0.5 is the stated default (fused LayerNorm, GELU, dropout-add and cross-entropy read and
     write about half the bytes); calibrated from fused runs where there are some: on a CPU whose
     fused ops gain less, it is lower (negative: slower than eager)."""

@@ -41,9 +41,11 @@ def dataset_index(spec):
 def head_fraction(spec, config) -> float:
     """The share of the tokens the LM head runs on: raylib's fused kernels (fused, auto) project and
     score a BERT masked LM's labelled rows only, where no tensor parallelism shards the head
-    (raylib.ops.patch._lm_head); every other head runs on every token."""
+    (raylib.ops.patch._lm_head) and no pipeline builds its own (train/pipeline.py runs the head on
+    every row); every other head runs on every token."""
+    s = spec.strategy
     fused_head = (spec.task.type == "masked_lm" and getattr(config, "model_type", "") == "bert"
-                  and spec.strategy.kernels in ("fused", "auto") and spec.strategy.tensor_parallel == 1)
+                  and s.kernels in ("fused", "auto") and s.tensor_parallel == 1 and s.pipeline_parallel == 1)
     return spec.task.mlm_probability if fused_head else 1.0
 
 

@@ -54,7 +54,7 @@ from raylib.perf.cluster import ClusterSpec, stage_value
 
 ADAM_BYTES_PER_PARAM = 16  # fp32 param, grad, m, v read + param, m, v written, ~16 B after caching
 BACKWARD_SHARE = 2 / 3
-FUSED_KERNELS = ("fused", "compile")  # the kernel modes calibration.fused_saving applies to
+FUSED_KERNELS = ("fused", "auto", "compile")  # the kernel modes calibration.fused_saving applies to
 PARTS = ("compute", "elementwise", "communication", "optimizer", "data_wait", "checkpoint", "overhead")
 
 

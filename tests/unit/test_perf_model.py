@@ -211,7 +211,15 @@ def test_a_fused_masked_lm_head_runs_on_the_masked_rows_only_and_mfu_still_count
     assert head_fraction(JobSpec.from_dict({**spec, "strategy": {"kernels": "fused"}}), bert) == 0.2
     assert head_fraction(JobSpec.from_dict({**spec, "strategy": {"kernels": "eager"}}), bert) == 1.0
     assert head_fraction(JobSpec.from_dict({**spec, "strategy": {"kernels": "compile"}}), bert) == 1.0
+    assert head_fraction(JobSpec.from_dict({**spec, "strategy": {"kernels": "auto"}}), bert) == 0.2
     assert head_fraction(JobSpec.from_dict({**spec, "strategy": {"kernels": "fused"}}), GPT2Config()) == 1.0
+    for sharded in ({"tensor_parallel": 2}, {"pipeline_parallel": 2}):  # the head runs on every row
+        strategy = {"kernels": "fused", "micro_batch_size": 2, **sharded}
+        job = JobSpec.from_dict({**spec, "strategy": strategy, "scaling": {"num_workers": 2}})
+        assert head_fraction(job, bert) == 1.0, sharded
+    classify = JobSpec.from_dict({**spec, "task": {"type": "sequence_classification", "num_labels": 2},
+                                  "strategy": {"kernels": "fused"}})
+    assert head_fraction(classify, bert) == 1.0
 
 
 def test_prefetch_hides_data_loading_behind_the_step():
@@ -270,7 +278,8 @@ def test_calibration_recovers_known_parameters_from_synthetic_measurements():
             # two bf16 runs: too few to fit every term, so only bf16's efficiency (the rest is the
             # device's, fitted on the fp32 runs)
             (small, 4, 256, 2, 16, 128, 2, "eager", "bf16"),
-            (BERT_LARGE, 24, 1024, 1, 4, 64, 1, "eager", "bf16")]:
+            (BERT_LARGE, 24, 1024, 1, 4, 64, 1, "eager", "bf16"),
+            (small, 4, 256, 1, 8, 512, 0, "fused", "bf16")]:
         shape = ModelShape(params=12 * layers * hidden ** 2 + 1000 * hidden,
                            largest_module_params=hidden ** 2, layers=layers, hidden=hidden,
                            heads=hidden // 64, intermediate=4 * hidden,
@@ -299,6 +308,18 @@ def test_calibration_recovers_known_parameters_from_synthetic_measurements():
     eager_only = calibrate([r for r in runs if r.workload.strategy.kernels == "eager"],
                            ClusterSpec.model_validate(node), terms=OPTIONAL_TERMS)
     assert eager_only.fused_saving == Calibration().fused_saving  # no fused run: the stated default
+    # a precision only fused runs cover fits its efficiency on them, at the cluster's stated saving
+    def of(precision: str, kernels: str | None = None) -> list[Measured]:
+        return [r for r in runs if r.workload.strategy.precision == precision
+                and kernels in (None, r.workload.strategy.kernels)]
+
+    fp32, bf16_fused = of("fp32"), of("bf16", "fused")
+    stated = ClusterSpec.model_validate({**node, "calibration": {"fused_saving": 0.2}})
+    assert calibrate(fp32 + bf16_fused, stated, terms=OPTIONAL_TERMS).compute_efficiency["bf16"] == \
+        pytest.approx(0.61, rel=1e-6)
+    # leave-one-out cannot predict a precision's only run from the others: it skips it
+    assert set(select_terms(fp32 + of("bf16", "eager")[:1], ClusterSpec.model_validate(node))) <= \
+        set(OPTIONAL_TERMS)
     # with no terms named, leave-one-out over the runs picks them: exact data has no error to
     # choose by, so the choice must predict every run as well as the truth does
     chosen = select_terms(runs, ClusterSpec.model_validate(node))

@@ -14,6 +14,7 @@ from raylib.train import ds_ops
 # starts, `ray start` heads that put the venv first on PATH): with two, DeepSpeed's ops are rebuilt
 # at each switch (see ds_ops.use_this_pythons_ninja)
 ds_ops.use_this_pythons_ninja()
+ds_ops.keep_builds_in_this_venv()  # where `make setup` built DeepSpeed's op (not another checkout's)
 
 # Ray's agents export what the workers report every 10 s by default: the telemetry tests that read
 # a node's metrics endpoint would wait most of that for each figure. Every cluster the suite starts

@@ -69,6 +69,7 @@ def load(op_names: list[str], stale_after_s: float = STALE_AFTER_S) -> list[str]
     can build; DeepSpeed's later loads in this process reuse them. -> the names loaded."""
     from deepspeed.accelerator import get_accelerator
 
+    keep_builds_in_this_venv()
     use_this_pythons_ninja()
     builders = []
     for name in op_names:
@@ -83,6 +84,19 @@ def load(op_names: list[str], stale_after_s: float = STALE_AFTER_S) -> list[str]
             clear_stale_baton(folders[builder.name], stale_after_s)
             builder.load(verbose=False)
     return [b.name for b in builders]
+
+
+def keep_builds_in_this_venv() -> None:
+    """Build and load torch extensions in <venv>/torch_extensions unless TORCH_EXTENSIONS_DIR says
+    otherwise. torch's default folder (~/.cache/torch_extensions) is shared by every venv of the
+    user, and an op's build records the compiler flags of the venv that built it (its include paths
+    name that venv): two checkouts with their own venvs rebuilt it back and forth, each on its
+    first load after the other (73 CPU-s for shm_comm). Not outside a venv, nor where the venv is
+    not writable (a system install): torch's default applies there."""
+    if "TORCH_EXTENSIONS_DIR" in os.environ or sys.prefix == sys.base_prefix:
+        return
+    if os.access(sys.prefix, os.W_OK):
+        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(sys.prefix, "torch_extensions")
 
 
 def use_this_pythons_ninja() -> None:

@@ -132,3 +132,20 @@ os._exit(0)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"inductor": False, "compiled": ["zeropower_via_newtonschulz5"],
                       "results": ["compiled", "compiled"]}
+
+
+def test_a_venvs_builds_stay_in_it_unless_torch_extensions_dir_says_otherwise(tmp_path):
+    """Each venv keeps its own built ops (a build names its venv's include paths: two checkouts
+    sharing ~/.cache/torch_extensions rebuilt each other's op on every switch); a folder the user
+    chose is kept. This suite runs in a venv (make setup creates one)."""
+    assert sys.prefix != sys.base_prefix, "the suite runs in its venv"
+    code = ("from raylib.train import ds_ops; import torch.utils.cpp_extension as ext; "
+            "ds_ops.keep_builds_in_this_venv(); print(ext._get_build_directory('op', verbose=False))")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    default = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert default.returncode == 0, default.stderr[-2000:]
+    assert Path(default.stdout.strip()) == Path(sys.prefix) / "torch_extensions" / "op"
+    chosen = subprocess.run([sys.executable, "-c", code], env={**env, "TORCH_EXTENSIONS_DIR": str(tmp_path)},
+                            capture_output=True, text=True, timeout=120)
+    assert Path(chosen.stdout.strip()) == tmp_path / "op", chosen.stderr[-2000:]
